@@ -1,0 +1,34 @@
+"""The broker: how tandem's processes exchange work through Redis.
+
+Every service imports this package; it imports no other tandem package. It
+moves opaque payloads inside a small envelope it understands (group id and
+policy version; the run id is the key namespace) and does the staleness and
+delivery accounting on that envelope alone:
+
+- ``keys``: every Redis key name, namespaced by run id.
+- ``streams``: the ``prompts`` and ``trajectories`` streams with consumer
+  groups, reclaim of abandoned entries, dead letters, idempotent acks.
+- ``admission``: the staleness contract (ARCHITECTURE.md section 3):
+  admission on the rollout side, acceptance on the learner side.
+- ``weights``: the weight-version registry and its publish notification.
+- ``embedded``: a real ``redis-server`` child process for local runs.
+"""
+
+from broker.admission import Admission, Ticket, accept
+from broker.keys import Keys
+from broker.streams import Delivery, Envelope, QueueFull, Stream, connect
+from broker.weights import WeightRegistry, WeightVersion
+
+__all__ = [
+    "Admission",
+    "Delivery",
+    "Envelope",
+    "Keys",
+    "QueueFull",
+    "Stream",
+    "Ticket",
+    "WeightRegistry",
+    "WeightVersion",
+    "accept",
+    "connect",
+]

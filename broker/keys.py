@@ -1,0 +1,108 @@
+"""Every Redis key tandem uses, in one place.
+
+All keys of a run live under ``tandem:run:{run_id}:``, so several runs share
+one Redis without interfering and a run is removed by deleting its prefix.
+Keys that are not per run (prompt sets, the run index) live under
+``tandem:``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PREFIX = "tandem"
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+# Consumer-group names on the two streams.
+ROLLOUT_GROUP = "rollout"
+LEARNER_GROUP = "learner"
+
+
+def check_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is a safe key component, else raise ``ValueError``."""
+    if not _RUN_ID.match(run_id):
+        raise ValueError(
+            f"run id {run_id!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one run."""
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)
+
+    def _k(self, name: str) -> str:
+        return f"{PREFIX}:run:{self.run_id}:{name}"
+
+    @property
+    def prompts(self) -> str:
+        """Stream of prompt-group requests (control plane -> rollout servers)."""
+        return self._k("prompts")
+
+    @property
+    def trajectories(self) -> str:
+        """Stream of scored trajectory groups (rollout servers -> learner)."""
+        return self._k("trajectories")
+
+    def dead(self, stream: str) -> str:
+        """Dead-letter stream for entries of ``stream`` that could not be processed."""
+        return f"{stream}:dead"
+
+    def done(self, stream: str) -> str:
+        """Set of group ids whose processing on ``stream`` is finished (idempotency)."""
+        return f"{stream}:done"
+
+    @property
+    def tickets(self) -> str:
+        """Sorted set group_id -> lease deadline: groups admitted and not yet consumed."""
+        return self._k("tickets")
+
+    @property
+    def counters(self) -> str:
+        """Hash of accounting counters (stale_dropped, dead_lettered, ...)."""
+        return self._k("counters")
+
+    @property
+    def weights_latest(self) -> str:
+        """The newest published weight version (msgpack record)."""
+        return self._k("weights:latest")
+
+    @property
+    def weights_history(self) -> str:
+        """Hash version -> record of every published version still kept."""
+        return self._k("weights:history")
+
+    @property
+    def weights_channel(self) -> str:
+        """Pub/sub channel announcing each publish (payload: the version number)."""
+        return self._k("weights:published")
+
+    @property
+    def weights_in_use(self) -> str:
+        """Hash server_id -> 'version:timestamp' of the version each rollout server serves."""
+        return self._k("weights:in-use")
+
+    @property
+    def state(self) -> str:
+        """Hash of run state written by the control plane and the services."""
+        return self._k("state")
+
+    @property
+    def metrics(self) -> str:
+        """Stream of metric points of the run (time series)."""
+        return self._k("metrics")
+
+
+def prompt_set(prompt_set_id: str) -> str:
+    """Stream-free storage of an uploaded prompt set (a list of encoded lines)."""
+    return f"{PREFIX}:prompt-set:{check_run_id(prompt_set_id)}"
+
+
+RUNS = f"{PREFIX}:runs"
+"""Sorted set run_id -> creation time: every run the control plane knows."""

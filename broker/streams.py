@@ -1,0 +1,399 @@
+"""Redis Streams with consumer groups: at-least-once delivery of groups.
+
+Producers ``add`` an :class:`Envelope`; consumers ``read`` :class:`Delivery`
+objects and ``ack`` them when their work is durable. The guarantees:
+
+- *At least once.* An entry stays in the consumer group's pending list until
+  it is acknowledged. An entry left pending longer than
+  ``visibility_timeout_s`` (its consumer died or hung) is reclaimed by the
+  next reader with XAUTOCLAIM and counted as ``redelivered``.
+- *Bounded retries.* An entry delivered more than ``max_deliveries`` times,
+  or whose envelope cannot be decoded, goes to the dead-letter stream
+  ``<stream>:dead`` with its reason and is counted as ``dead_lettered``.
+  Consumers call :meth:`Stream.dead_letter` themselves for payloads that
+  fail their schema.
+- *At most once per group id.* Acknowledging records the group id in the
+  stream's ``done`` set in the same transaction; readers skip (and ack) an
+  entry whose group id is already done, counted as ``duplicates``. Two
+  entries with one group id (a producer that retried) are therefore
+  processed once.
+- *Bounded backlog.* Acked entries are deleted, so ``XLEN`` is the backlog
+  (unread + pending). With ``maxlen`` set, ``add`` refuses with
+  :class:`QueueFull` (or waits for room) instead of growing without bound;
+  nothing is dropped silently.
+
+Payloads are opaque bytes here (the services encode them with msgpack); the
+broker reads only the envelope fields ``g`` (group id) and ``v`` (policy
+version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from broker.keys import Keys
+
+NO_VERSION = -1
+"""Policy version of entries that no policy produced (prompt requests)."""
+
+DEAD_LETTER_MAXLEN = 100_000
+
+
+def connect(url: str) -> aioredis.Redis:
+    """An asyncio Redis client for ``url`` (``redis://``, ``rediss://`` or ``unix://``).
+
+    Responses stay bytes: payloads are binary.
+    """
+    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+
+
+class QueueFull(Exception):
+    """The stream's backlog reached its bound; retry later (backpressure)."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What the broker knows of a payload.
+
+    ``group_id`` is unique per group within a run and identical across
+    redeliveries; ``policy_version`` is the weight version that generated the
+    group (``NO_VERSION`` for prompt requests).
+    """
+
+    group_id: str
+    policy_version: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One entry handed to a consumer. ``deliveries`` counts this delivery (1 = first)."""
+
+    entry_id: bytes
+    envelope: Envelope
+    deliveries: int
+
+
+# add if the backlog has room. KEYS: stream. ARGV: maxlen (0 = unbounded), g, v, p
+_ADD = """
+local maxlen = tonumber(ARGV[1])
+if maxlen > 0 and redis.call('XLEN', KEYS[1]) >= maxlen then
+  return false
+end
+return redis.call('XADD', KEYS[1], '*', 'g', ARGV[2], 'v', ARGV[3], 'p', ARGV[4])
+"""
+
+# ack + delete + mark done (+ release admission tickets, + count).
+# KEYS: stream, done, tickets, counters. ARGV: group, release(0/1), counter, then pairs entry_id, group_id
+_ACK = """
+local n = 0
+for i = 4, #ARGV, 2 do
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+  if ARGV[i + 1] ~= '' then
+    redis.call('SADD', KEYS[2], ARGV[i + 1])
+    if ARGV[2] == '1' then redis.call('ZREM', KEYS[3], ARGV[i + 1]) end
+  end
+  n = n + 1
+end
+if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[3], n) end
+return n
+"""
+
+# Move a prompt's result onward in one step: add the new entry to the
+# destination stream, ack/delete/mark the source entry done, and turn the
+# admission ticket into a queued ticket held by the group id until the
+# destination's consumer acks it.
+# KEYS: src, src_done, dst, tickets, counters. ARGV: src_group, entry_id, group_id, v, payload, ticket
+_HANDOFF = """
+local id = redis.call('XADD', KEYS[3], '*', 'g', ARGV[3], 'v', ARGV[4], 'p', ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+if ARGV[6] ~= '' then redis.call('ZREM', KEYS[4], ARGV[6]) end
+redis.call('ZADD', KEYS[4], 'inf', ARGV[3])
+redis.call('HINCRBY', KEYS[5], 'produced', 1)
+return id
+"""
+
+# Dead-letter one entry. KEYS: stream, dead, counters, tickets. ARGV: group, entry_id, reason, g, v, p, release
+_DEAD = """
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*',
+  'source_id', ARGV[2], 'reason', ARGV[3], 'g', ARGV[4], 'v', ARGV[5], 'p', ARGV[6])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if ARGV[7] == '1' and ARGV[4] ~= '' then redis.call('ZREM', KEYS[4], ARGV[4]) end
+redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
+return 1
+"""
+
+
+class Stream:
+    """One stream of a run and the consumer group that reads it.
+
+    ``releases_tickets`` is true for the trajectories stream: acking or
+    dead-lettering one of its entries frees that group's admission slot.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        key: str,
+        group: str,
+        *,
+        maxlen: int | None = None,
+        visibility_timeout_s: float = 300.0,
+        max_deliveries: int = 5,
+        releases_tickets: bool = False,
+    ) -> None:
+        if max_deliveries < 1:
+            raise ValueError("max_deliveries must be >= 1")
+        self.redis = redis
+        self.keys = keys
+        self.key = key
+        self.group = group
+        self.maxlen = maxlen
+        self.visibility_ms = int(visibility_timeout_s * 1000)
+        self.max_deliveries = max_deliveries
+        self.releases_tickets = releases_tickets
+        self.dead_key = keys.dead(key)
+        self.done_key = keys.done(key)
+        self._add = redis.register_script(_ADD)
+        self._ack = redis.register_script(_ACK)
+        self._handoff = redis.register_script(_HANDOFF)
+        self._dead = redis.register_script(_DEAD)
+
+    @classmethod
+    def prompts(cls, redis: aioredis.Redis, keys: Keys, **kw) -> Stream:
+        from broker.keys import ROLLOUT_GROUP
+
+        return cls(redis, keys, keys.prompts, ROLLOUT_GROUP, **kw)
+
+    @classmethod
+    def trajectories(cls, redis: aioredis.Redis, keys: Keys, **kw) -> Stream:
+        from broker.keys import LEARNER_GROUP
+
+        return cls(redis, keys, keys.trajectories, LEARNER_GROUP, releases_tickets=True, **kw)
+
+    async def ensure_group(self) -> None:
+        """Create the stream and its consumer group if missing (idempotent)."""
+        try:
+            await self.redis.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    # -- producing ---------------------------------------------------------
+
+    async def add(self, envelope: Envelope, *, wait_s: float = 0.0) -> bytes:
+        """Append ``envelope``; return its entry id.
+
+        When the backlog is at ``maxlen``, wait up to ``wait_s`` seconds for
+        room, then raise :class:`QueueFull`.
+        """
+        deadline = time.monotonic() + wait_s
+        delay = 0.01
+        while True:
+            entry_id = await self._add(
+                keys=[self.key],
+                args=[self.maxlen or 0, envelope.group_id, envelope.policy_version, envelope.payload],
+            )
+            if entry_id is not None:
+                return entry_id
+            if time.monotonic() >= deadline:
+                raise QueueFull(f"{self.key} holds {self.maxlen} entries (its bound); retry later")
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.5)
+
+    async def add_many(self, envelopes: Sequence[Envelope]) -> list[bytes]:
+        """Append many envelopes in one round trip (no backlog bound: for bulk enqueue)."""
+        pipe = self.redis.pipeline(transaction=True)
+        for e in envelopes:
+            pipe.xadd(self.key, {"g": e.group_id, "v": e.policy_version, "p": e.payload})
+        return await pipe.execute()
+
+    async def handoff(
+        self, delivery: Delivery, dst: Stream, envelope: Envelope, ticket_token: str = ""
+    ) -> bytes:
+        """Atomically add ``envelope`` to ``dst`` and ack ``delivery`` here.
+
+        The admission ticket ``ticket_token`` becomes a ticket held by the
+        group id until ``dst``'s consumer acks it, so a group counts against
+        admission capacity from admission until the learner is done with it.
+        """
+        return await self._handoff(
+            keys=[self.key, self.done_key, dst.key, self.keys.tickets, self.keys.counters],
+            args=[
+                self.group,
+                delivery.entry_id,
+                envelope.group_id,
+                envelope.policy_version,
+                envelope.payload,
+                ticket_token,
+            ],
+        )
+
+    # -- consuming ---------------------------------------------------------
+
+    async def read(self, consumer: str, count: int = 1, block_ms: int | None = 1000) -> list[Delivery]:
+        """Up to ``count`` deliveries for ``consumer``: reclaimed ones first, then new.
+
+        Blocks up to ``block_ms`` for new entries when nothing was reclaimed
+        (``None`` = do not block). Malformed entries, entries over the
+        delivery limit and entries whose group id is already done are dealt
+        with here and never returned.
+        """
+        out: list[Delivery] = []
+        out += await self._reclaim(consumer, count)
+        if len(out) < count:
+            reply = await self.redis.xreadgroup(
+                self.group,
+                consumer,
+                {self.key: ">"},
+                count=count - len(out),
+                block=None if out or block_ms is None else block_ms,
+            )
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    d = await self._delivery(entry_id, fields, 1)
+                    if d is not None:
+                        out.append(d)
+        return await self._skip_done(out)
+
+    async def _reclaim(self, consumer: str, count: int) -> list[Delivery]:
+        reply = await self.redis.xautoclaim(
+            self.key, self.group, consumer, self.visibility_ms, start_id="0-0", count=count
+        )
+        entries = reply[1]
+        if not entries:
+            return []
+        ids = [e[0] for e in entries]
+        pending = await self.redis.xpending_range(
+            self.key, self.group, min=min(ids), max=max(ids), count=len(ids) * 4 + 16,
+            consumername=consumer,
+        )
+        times = {p["message_id"]: p["times_delivered"] for p in pending}
+        out = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted while pending: nothing left to deliver
+                await self.redis.xack(self.key, self.group, entry_id)
+                continue
+            n = times.get(entry_id, 2)
+            await self.redis.hincrby(self.keys.counters, "redelivered", 1)
+            d = await self._delivery(entry_id, fields, n)
+            if d is None:
+                continue
+            if n > self.max_deliveries:
+                await self.dead_letter(d, f"delivered {n} times without an ack (limit {self.max_deliveries})")
+                continue
+            out.append(d)
+        return out
+
+    async def _delivery(self, entry_id: bytes, fields: dict, n: int) -> Delivery | None:
+        try:
+            envelope = Envelope(
+                group_id=fields[b"g"].decode(),
+                policy_version=int(fields[b"v"]),
+                payload=fields[b"p"],
+            )
+        except (KeyError, ValueError, UnicodeDecodeError) as e:
+            raw = Envelope(
+                group_id=_text(fields.get(b"g", b"")),
+                policy_version=NO_VERSION,
+                payload=fields.get(b"p", b""),
+            )
+            await self.dead_letter(
+                Delivery(entry_id, raw, n), f"malformed envelope: {type(e).__name__}: {e}"
+            )
+            return None
+        return Delivery(entry_id, envelope, n)
+
+    async def _skip_done(self, deliveries: list[Delivery]) -> list[Delivery]:
+        if not deliveries:
+            return deliveries
+        pipe = self.redis.pipeline(transaction=False)
+        for d in deliveries:
+            pipe.sismember(self.done_key, d.envelope.group_id)
+        done = await pipe.execute()
+        fresh, seen, dupes = [], set(), []
+        for d, is_done in zip(deliveries, done, strict=True):
+            if is_done or d.envelope.group_id in seen:
+                dupes.append(d)
+            else:
+                seen.add(d.envelope.group_id)
+                fresh.append(d)
+        if dupes:
+            # ack without marking: the group id is (or will be) marked by its first delivery
+            await self._ack_raw(dupes, counter="duplicates", mark_done=False)
+        return fresh
+
+    async def ack(self, deliveries: Iterable[Delivery], *, counter: str = "") -> int:
+        """Acknowledge ``deliveries``: their group ids become done (never processed again).
+
+        ``counter`` names an accounting counter to add the count to (for
+        example ``accepted`` or ``stale_dropped``).
+        """
+        return await self._ack_raw(list(deliveries), counter=counter, mark_done=True)
+
+    async def _ack_raw(self, deliveries: list[Delivery], *, counter: str, mark_done: bool) -> int:
+        if not deliveries:
+            return 0
+        args: list = [self.group, "1" if self.releases_tickets else "0", counter]
+        for d in deliveries:
+            args += [d.entry_id, d.envelope.group_id if mark_done else ""]
+        return await self._ack(
+            keys=[self.key, self.done_key, self.keys.tickets, self.keys.counters], args=args
+        )
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Move ``delivery`` to the dead-letter stream with ``reason`` (and ack it here)."""
+        e = delivery.envelope
+        await self._dead(
+            keys=[self.key, self.dead_key, self.keys.counters, self.keys.tickets],
+            args=[
+                self.group,
+                delivery.entry_id,
+                reason[:2000],
+                e.group_id,
+                e.policy_version,
+                e.payload,
+                "1" if self.releases_tickets else "0",
+                DEAD_LETTER_MAXLEN,
+            ],
+        )
+
+    # -- inspection --------------------------------------------------------
+
+    async def backlog(self) -> int:
+        """Entries not yet acknowledged (unread + pending)."""
+        return await self.redis.xlen(self.key)
+
+    async def pending(self) -> int:
+        """Entries delivered and not yet acknowledged."""
+        try:
+            info = await self.redis.xpending(self.key, self.group)
+        except ResponseError:
+            return 0
+        return int(info["pending"])
+
+    async def dead_letters(self, count: int = 100) -> list[dict[str, str | bytes]]:
+        """The most recent dead letters, newest first: ``source_id``, ``reason``, ``g``, ``v``, ``p``."""
+        rows = await self.redis.xrevrange(self.dead_key, count=count)
+        return [
+            {k.decode(): (v if k == b"p" else v.decode(errors="replace")) for k, v in fields.items()}
+            for _id, fields in rows
+        ]
+
+    async def is_done(self, group_id: str) -> bool:
+        return bool(await self.redis.sismember(self.done_key, group_id))
+
+
+def _text(b: bytes) -> str:
+    return b.decode(errors="replace")

@@ -1,0 +1,118 @@
+"""Typed HTTP clients between services, with the one retry policy.
+
+Retries live here, as pure predicates: retry transport errors, timeouts,
+429 and 5xx (honouring ``Retry-After``), never another 4xx: a 4xx means the
+request is wrong and repeating it cannot help.
+"""
+
+from __future__ import annotations
+
+import httpx
+from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay
+from tenacity.wait import wait_base, wait_exponential_jitter
+
+from services import wire
+
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """True for failures a later attempt may not repeat."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code in RETRY_STATUSES
+    return isinstance(exc, httpx.TransportError)  # connect/read errors and timeouts
+
+
+def retry_after_s(exc: BaseException | None) -> float | None:
+    """The server's ``Retry-After`` in seconds, if the failure carries one."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        value = exc.response.headers.get("retry-after", "")
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            return None
+    return None
+
+
+class _wait_retry_after(wait_base):
+    """Exponential back-off with jitter, but at least the server's Retry-After."""
+
+    def __init__(self, max_s: float) -> None:
+        self.backoff = wait_exponential_jitter(initial=0.2, max=max_s)
+        self.max_s = max_s
+
+    def __call__(self, retry_state) -> float:
+        exc = retry_state.outcome.exception() if retry_state.outcome else None
+        hinted = retry_after_s(exc)
+        return min(self.max_s, max(self.backoff(retry_state), hinted or 0.0))
+
+
+class ServiceClient:
+    """Base client: bearer auth, per-attempt timeout, bounded retries."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 60.0,
+        attempts: int = 5,
+        max_total_s: float = 300.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.attempts = attempts
+        self.max_total_s = max_total_s
+
+    async def request(self, method: str, path: str, body: BaseModel | dict | None = None) -> httpx.Response:
+        payload = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(is_retryable),
+            stop=stop_after_attempt(self.attempts) | stop_after_delay(self.max_total_s),
+            wait=_wait_retry_after(max_s=10.0),
+            reraise=True,
+        ):
+            with attempt:
+                resp = await self.http.request(method, path, json=payload)
+                resp.raise_for_status()
+        return resp
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.http.get("/healthz", timeout=5.0)).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class RewardClient(ServiceClient):
+    async def score(self, request: wire.ScoreRequest) -> wire.ScoreResponse:
+        resp = await self.request("POST", "/v1/score", request)
+        return wire.ScoreResponse.model_validate(resp.json())
+
+    async def execute(self, request: wire.ExecuteRequest) -> wire.ExecuteResult:
+        resp = await self.request("POST", "/v1/execute", request)
+        return wire.ExecuteResult.model_validate(resp.json())
+
+
+class RolloutClient(ServiceClient):
+    async def generate(self, request: wire.GenerateRequest) -> wire.GenerateResponse:
+        resp = await self.request("POST", "/v1/generate", request)
+        return wire.GenerateResponse.model_validate(resp.json())
+
+    async def weights(self) -> wire.WeightsStatus:
+        resp = await self.request("GET", "/v1/weights")
+        return wire.WeightsStatus.model_validate(resp.json())
+
+    async def load_weights(self, request: wire.LoadWeights) -> wire.WeightsStatus:
+        resp = await self.request("POST", "/v1/weights", request)
+        return wire.WeightsStatus.model_validate(resp.json())

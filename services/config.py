@@ -1,0 +1,265 @@
+"""The run config: one TOML file, validated by pydantic, loud about mistakes.
+
+Every field is documented where it is declared. Unknown keys are errors
+(``extra="forbid"``), cross-field constraints are checked at load time, and
+:func:`load_run_config` names the file and the dotted field in its error:
+
+    examples/arith/run.toml: loss.eps_hihg: unknown field
+
+Service settings (ports, URLs, tokens) are not here: they come from
+``TANDEM_*`` environment variables (``services.settings``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from broker.keys import check_run_id
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    path: Path
+    """Local Hugging Face model directory (config.json, weights, tokenizer) of the initial policy."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype in the rollout engine."""
+    max_model_len: int = Field(default=512, ge=16)
+    """Longest prompt + completion, in tokens."""
+    bootstrap: Literal["arith"] | None = None
+    """If set and ``path`` holds no model yet, ``tandem run`` builds this example model there first."""
+
+
+class DataConfig(Section):
+    train: Path
+    """Prompt set to train on (JSON lines: ``prompt`` plus reward-spec fields)."""
+    eval: Path | None = None
+    """Held-out prompt set for before/after evaluation (same format)."""
+    epochs: int = Field(default=1, ge=1)
+    """Passes over the training prompt set."""
+    shuffle_seed: int | None = 0
+    """Seed of the per-epoch shuffle; None keeps file order."""
+
+
+class SamplingConfig(Section):
+    group_size: int = Field(default=8, ge=2, le=1024)
+    """G: completions sampled per prompt (GRPO needs at least 2 to compare)."""
+    temperature: float = Field(default=1.0, gt=0, le=10)
+    """Sampling temperature for training rollouts."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k sampling (0 = off)."""
+    max_tokens: int = Field(default=64, ge=1)
+    """Completion length cap in tokens."""
+    stop: list[str] = Field(default_factory=list)
+    """Stop strings (the stop string is kept out of the completion)."""
+
+
+class RewardConfig(Section):
+    type: Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "combined"] = "math"
+    """Default reward type for prompt-set lines that do not name one."""
+    extract: Literal["answer_tag", "boxed", "last_number", "whole"] = "answer_tag"
+    """Default answer extraction for math/exact/numeric specs."""
+    format_weight: float = Field(default=0.0, ge=0)
+    """If > 0, add this weight times a format reward (the answer tag is present)."""
+    retries: int = Field(default=2, ge=0)
+    """Times a group whose scoring hit an infrastructure failure is retried before it is dropped."""
+
+
+class LoraConfig(Section):
+    r: int = Field(default=8, ge=1)
+    """LoRA rank."""
+    alpha: float = Field(default=16.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the LoRA input."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module names to adapt."""
+
+
+class LossConfig(Section):
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """Group-relative baseline: mean/std (GRPO), mean only (Dr. GRPO), leave-one-out (RLOO)."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (DAPO dynamic sampling): they carry no signal."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Token-level PPO clip, or GSPO's sequence-level ratio."""
+    eps_low: float = Field(default=0.2, ge=0, le=1)
+    """Lower clip range: ratio >= 1 - eps_low."""
+    eps_high: float = Field(default=0.28, ge=0, le=10)
+    """Upper clip range: ratio <= 1 + eps_high (DAPO clip-higher when > eps_low)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "token_sum_norm"] = "token_mean"
+    """How token losses become one number: over all tokens (DAPO), per sequence then over
+    sequences (GRPO paper), or summed and divided by ``norm_tokens`` (Dr. GRPO)."""
+    norm_tokens: int | None = None
+    """Constant divisor for ``token_sum_norm`` (default: sampling.max_tokens x batch sequences)."""
+    beta: float = Field(default=0.0, ge=0)
+    """KL coefficient to the frozen reference policy (0 = no reference model)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator (Schulman's k1 or k3)."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Entropy bonus coefficient."""
+    off_policy: Literal["none", "tis", "decoupled"] = "tis"
+    """Correction for stale samples: none, truncated importance sampling against the behaviour
+    log-probs, or the decoupled PPO objective (proximal = weights at batch start)."""
+    tis_cap: float = Field(default=2.0, ge=1)
+    """Cap C of the truncated importance weight min(pi_prox / pi_behav, C)."""
+    drop_overlong: bool = False
+    """Mask completions cut at max_tokens (overlong filtering, DAPO)."""
+
+
+class LearnerConfig(Section):
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload of optimizer state to CPU memory (stage >= 1)."""
+    offload_params: bool = False
+    """ZeRO-3 parameter offload to CPU memory."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Training precision."""
+    lr: float = Field(default=1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(default=1.0, ge=0)
+    """Gradient-norm clip (0 = off)."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up."""
+    groups_per_step: int = Field(default=8, ge=1)
+    """Prompt groups per optimizer step (batch = groups_per_step x group_size sequences)."""
+    micro_batch_tokens: int = Field(default=8192, ge=64)
+    """Token budget of one micro-batch (sequences are packed up to it; gradients accumulate)."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing."""
+    steps: int = Field(default=100, ge=1)
+    """Optimizer steps to train."""
+    seed: int = 0
+    """Seed for torch and the data order."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of all weights (publishes merged weights)."""
+    wait_timeout_s: float = Field(default=600.0, gt=0)
+    """Give up (fail the run) when no trajectory arrives for this long."""
+
+
+class StalenessConfig(Section):
+    max_staleness: int = Field(default=1, ge=0)
+    """eta: a group generated by version v trains the step producing v_learner+1 only if
+    v_learner - v <= eta. 0 = strictly on-policy."""
+    lease_s: float = Field(default=300.0, gt=0)
+    """How long a rollout server may hold an admitted group before its slot is reclaimed."""
+    visibility_timeout_s: float = Field(default=300.0, gt=0)
+    """An entry pending this long without an ack is redelivered to another consumer."""
+    max_deliveries: int = Field(default=5, ge=1)
+    """Deliveries after which an entry goes to the dead-letter stream."""
+
+
+class PublishConfig(Section):
+    every: int = Field(default=1, ge=1)
+    """Publish a new weight version every N optimizer steps."""
+    keep: int = Field(default=3, ge=1)
+    """Versions kept on disk (older ones are deleted once no rollout server uses them)."""
+
+
+class EvalConfig(Section):
+    before: bool = True
+    """Evaluate held-out accuracy before training."""
+    after: bool = True
+    """Evaluate held-out accuracy after training."""
+    every: int = Field(default=0, ge=0)
+    """Also evaluate every N published versions (0 = never during training)."""
+    max_prompts: int | None = Field(default=None, ge=1)
+    """Evaluate on at most this many held-out prompts."""
+    temperature: float = Field(default=0.0, ge=0)
+    """0 = greedy decoding."""
+
+
+class RunConfig(Section):
+    """One training run."""
+
+    name: str = "run"
+    """Human-readable name; the run id is derived from it."""
+    model: ModelConfig
+    data: DataConfig
+    sampling: SamplingConfig = SamplingConfig()
+    reward: RewardConfig = RewardConfig()
+    loss: LossConfig = LossConfig()
+    learner: LearnerConfig = LearnerConfig()
+    staleness: StalenessConfig = StalenessConfig()
+    publish: PublishConfig = PublishConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunConfig:
+        check_run_id(self.name)
+        if self.staleness.max_staleness == 0 and self.publish.every != 1:
+            raise ValueError(
+                "staleness.max_staleness = 0 (on-policy) needs publish.every = 1: "
+                "otherwise samples of the last published version are older than the weights they train"
+            )
+        if self.sampling.max_tokens >= self.model.max_model_len:
+            raise ValueError(
+                f"sampling.max_tokens ({self.sampling.max_tokens}) must be below "
+                f"model.max_model_len ({self.model.max_model_len}) to leave room for the prompt"
+            )
+        if self.loss.eps_high < self.loss.eps_low and self.loss.policy_loss == "ppo_clip":
+            raise ValueError("loss.eps_high must be >= loss.eps_low (clip-higher widens the upper side)")
+        if self.learner.offload_params and self.learner.zero_stage != 3:
+            raise ValueError("learner.offload_params needs learner.zero_stage = 3")
+        if self.learner.offload_optimizer and self.learner.zero_stage == 0:
+            raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
+        return self
+
+    def resolve_paths(self, base: Path) -> RunConfig:
+        """Paths in the file are relative to the file's folder; return them made absolute."""
+        def fix(p: Path | None) -> Path | None:
+            return None if p is None or p.is_absolute() else (base / p).resolve()
+
+        model = self.model.model_copy(update={"path": fix(self.model.path) or self.model.path})
+        data = self.data.model_copy(
+            update={"train": fix(self.data.train) or self.data.train, "eval": fix(self.data.eval) or self.data.eval}
+        )
+        return self.model_copy(update={"model": model, "data": data})
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names the file and the field."""
+
+
+def format_validation_error(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{source}: {field}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_run_config(data: dict, source: str = "<config>") -> RunConfig:
+    """Validate a config already parsed from TOML or JSON."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read, validate and resolve a run config file. Raises :class:`ConfigError`."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return parse_run_config(data, str(path)).resolve_paths(path.parent)

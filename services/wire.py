@@ -1,0 +1,378 @@
+"""Every payload that crosses a process boundary, defined once.
+
+Producers and consumers import these models; nothing else defines a payload.
+Hot payloads (the ``prompts`` and ``trajectories`` stream entries) are
+encoded with :func:`encode` (msgpack of the validated fields, never pickle)
+and read back with :func:`decode`, which validates again: a receiver can
+rely on every invariant stated in a docstring here.
+
+Who sends what:
+
+- control plane -> ``prompts`` stream: :class:`PromptGroup`
+- rollout server -> reward server ``POST /v1/score``: :class:`ScoreRequest` -> :class:`ScoreResponse`
+- anyone -> reward server ``POST /v1/execute``: :class:`ExecuteRequest` -> :class:`ExecuteResult`
+- rollout server -> ``trajectories`` stream: :class:`TrajectoryGroup`
+- anyone -> rollout server ``POST /v1/generate``: :class:`GenerateRequest` -> :class:`GenerateResponse`
+- learner -> broker registry -> rollout servers: :class:`WeightVersion`
+  (``POST /v1/weights``: :class:`LoadWeights` -> :class:`WeightsStatus`)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from broker.weights import WeightVersion  # noqa: F401  (defined beside its registry; re-exported)
+
+
+class Wire(BaseModel):
+    """Base of every wire type: unknown fields are an error, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------
+# Reward specs: how to score one completion. A prompt-set line carries one.
+
+Extract = Literal["answer_tag", "boxed", "last_number", "whole"]
+"""Where the answer is in a completion: ``<answer>...</answer>`` (last one),
+``\\boxed{...}`` (last one), the last number in the text, or the whole text."""
+
+
+class MathSpec(Wire):
+    """Symbolic/numeric equivalence of the extracted answer and ``answer`` (math-verify)."""
+
+    type: Literal["math"] = "math"
+    answer: str = Field(min_length=1, description="Reference answer (LaTeX or plain).")
+    extract: Extract = "answer_tag"
+
+
+class ExactSpec(Wire):
+    """String equality of the extracted answer and ``answer``."""
+
+    type: Literal["exact"] = "exact"
+    answer: str
+    extract: Extract = "answer_tag"
+    case_sensitive: bool = True
+    strip: bool = True
+
+
+class NumericSpec(Wire):
+    """``|x - answer| <= tolerance`` (or relative) for the extracted number ``x``."""
+
+    type: Literal["numeric"] = "numeric"
+    answer: float
+    tolerance: float = Field(default=1e-6, ge=0)
+    relative: bool = False
+    extract: Extract = "last_number"
+
+
+class RegexSpec(Wire):
+    """Format reward: 1 if ``pattern`` matches the completion (``search`` or ``fullmatch``)."""
+
+    type: Literal["regex"] = "regex"
+    pattern: str = Field(min_length=1)
+    mode: Literal["search", "fullmatch"] = "search"
+
+
+class Limits(Wire):
+    """Resource limits of one sandboxed execution."""
+
+    wall_s: float = Field(default=5.0, gt=0, le=300, description="Wall-clock limit.")
+    cpu_s: float = Field(default=5.0, gt=0, le=300, description="CPU-time limit.")
+    memory_mb: int = Field(default=256, ge=16, le=16384, description="Address-space limit.")
+    processes: int = Field(default=32, ge=1, le=1024, description="Max processes/threads.")
+    output_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20, description="stdout+stderr cap.")
+    file_bytes: int = Field(default=16 << 20, ge=1024, le=1 << 30, description="Max size of a written file.")
+
+
+class IOCase(Wire):
+    """One stdin/stdout test: the program's stdout must equal ``stdout`` (trailing whitespace ignored)."""
+
+    stdin: str = ""
+    stdout: str
+
+
+class PythonTestsSpec(Wire):
+    """Run the completion's code against assert-style ``tests`` and ``io`` cases in the sandbox."""
+
+    type: Literal["python_tests"] = "python_tests"
+    tests: list[str] = Field(default_factory=list, description="Python statements, e.g. 'assert f(2) == 4'.")
+    io: list[IOCase] = Field(default_factory=list)
+    extract: Literal["fenced", "whole"] = "fenced"
+    reward_mode: Literal["fraction", "all"] = "fraction"
+    limits: Limits = Field(default_factory=Limits)
+
+    @model_validator(mode="after")
+    def _has_tests(self) -> PythonTestsSpec:
+        if not self.tests and not self.io:
+            raise ValueError("python_tests needs at least one of 'tests' or 'io'")
+        return self
+
+
+class JudgeSpec(Wire):
+    """An LLM judge behind an OpenAI-compatible endpoint; reward = parsed score / max_score."""
+
+    type: Literal["judge"] = "judge"
+    url: str | None = Field(default=None, description="Base URL; None = the reward server's configured judge.")
+    model: str = "judge"
+    template: str = Field(
+        default="Question:\n{prompt}\n\nReference:\n{reference}\n\nAnswer:\n{completion}\n\n"
+        "Rate the answer from 0 to 10. Reply 'Score: N'.",
+        description="Prompt with {prompt}, {completion}, {reference} placeholders.",
+    )
+    prompt: str = ""
+    reference: str = ""
+    score_pattern: str = r"Score:\s*([0-9]+(?:\.[0-9]+)?)"
+    max_score: float = Field(default=10.0, gt=0)
+
+
+class WeightedSpec(Wire):
+    weight: float
+    spec: RewardSpec
+
+
+class CombinedSpec(Wire):
+    """Weighted sum of several rewards (e.g. correctness + format)."""
+
+    type: Literal["combined"] = "combined"
+    parts: list[WeightedSpec] = Field(min_length=1)
+
+
+RewardSpec = Annotated[
+    MathSpec | ExactSpec | NumericSpec | RegexSpec | PythonTestsSpec | JudgeSpec | CombinedSpec,
+    Field(discriminator="type"),
+]
+WeightedSpec.model_rebuild()
+CombinedSpec.model_rebuild()
+
+REWARD_TYPES = ("math", "exact", "numeric", "regex", "python_tests", "judge", "combined")
+
+ScoreStatus = Literal[
+    "ok",  # scored; reward says how well
+    "wrong_answer",
+    "no_answer",  # nothing could be extracted
+    "runtime_error",
+    "timeout",
+    "memory_limit",
+    "output_limit",
+    "compile_error",
+    "sandbox_error",  # infrastructure: never scored, the group is retried or dropped
+    "judge_error",  # infrastructure: the judge endpoint failed
+]
+INFRA_STATUSES = frozenset({"sandbox_error", "judge_error"})
+
+
+class ScoreItem(Wire):
+    id: str = Field(min_length=1, max_length=256)
+    completion: str
+    spec: RewardSpec
+
+
+class ScoreRequest(Wire):
+    """``POST /v1/score``: one batch, typically the G completions of a group."""
+
+    items: list[ScoreItem] = Field(min_length=1, max_length=4096)
+
+
+class ScoreResult(Wire):
+    """``reward`` is None exactly when ``status`` is an infrastructure failure."""
+
+    id: str
+    reward: float | None
+    status: ScoreStatus
+    detail: str = ""
+
+    @model_validator(mode="after")
+    def _reward_iff_scored(self) -> ScoreResult:
+        if (self.reward is None) != (self.status in INFRA_STATUSES):
+            raise ValueError("reward must be None exactly for infrastructure statuses")
+        if self.reward is not None and not math.isfinite(self.reward):
+            raise ValueError("reward must be finite")
+        return self
+
+
+class ScoreResponse(Wire):
+    """Results in the order of the request's items."""
+
+    results: list[ScoreResult]
+
+
+ExecStatus = Literal[
+    "ok", "runtime_error", "timeout", "memory_limit", "output_limit", "compile_error", "sandbox_error"
+]
+
+
+class ExecuteRequest(Wire):
+    """``POST /v1/execute``: run ``code`` in the sandbox."""
+
+    language: Literal["python"] = "python"
+    code: str = Field(min_length=1)
+    stdin: str = ""
+    files: dict[str, str] = Field(default_factory=dict, description="Relative path -> content, written to the work dir.")
+    limits: Limits = Field(default_factory=Limits)
+
+
+class ExecuteResult(Wire):
+    status: ExecStatus
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    wall_s: float
+    cpu_s: float
+    truncated: bool
+
+
+# --------------------------------------------------------------------------
+# Generation
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerateRequest(Wire):
+    """``POST /v1/generate``: exactly one of ``prompt`` and ``prompt_token_ids``."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=10)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0, description="0 = off.")
+    max_tokens: int = Field(default=64, ge=1)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    seed: int | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of 'prompt' and 'prompt_token_ids'")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        return self
+
+
+class Sample(Wire):
+    """One completion. ``logprobs[i]`` is the behaviour log-probability of ``token_ids[i]``
+    under the policy ``policy_version`` with the request's sampling parameters."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: FinishReason
+    policy_version: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Sample:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries for {len(self.token_ids)} token_ids"
+            )
+        if any(t < 0 for t in self.token_ids):
+            raise ValueError("token ids must be >= 0")
+        if not all(math.isfinite(x) and x <= 1e-4 for x in self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0")
+        return self
+
+
+class GenerateResponse(Wire):
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+
+
+class LoadWeights(Wire):
+    """``POST /v1/weights``: load ``version`` from ``uri``; checked against ``sha256`` when given."""
+
+    version: int = Field(ge=0)
+    uri: str = Field(min_length=1)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
+class WeightsStatus(Wire):
+    version: int
+    uri: str | None
+    reload_s: float | None = None
+
+
+# --------------------------------------------------------------------------
+# Stream payloads
+
+
+class PromptGroup(Wire):
+    """One entry of the ``prompts`` stream: generate ``n`` completions of ``prompt``, score with ``spec``.
+
+    ``group_id`` is unique within the run and stable across redeliveries.
+    """
+
+    run_id: str
+    group_id: str = Field(min_length=1, max_length=128)
+    prompt: str = Field(min_length=1)
+    spec: RewardSpec
+    n: int = Field(ge=1, le=1024)
+    index: int = Field(default=0, ge=0, description="Line number in the prompt set.")
+    epoch: int = Field(default=0, ge=0)
+
+
+class ScoredSample(Sample):
+    """A sample with its reward (never an infrastructure failure: those groups are not sent)."""
+
+    reward: float
+    status: ScoreStatus
+
+    @model_validator(mode="after")
+    def _scored(self) -> ScoredSample:
+        if self.status in INFRA_STATUSES or not math.isfinite(self.reward):
+            raise ValueError("trajectories carry only scored samples with finite rewards")
+        return self
+
+
+class TrajectoryGroup(Wire):
+    """One entry of the ``trajectories`` stream: the scored samples of one prompt group.
+
+    Invariants: ``len(samples) == n``; ``policy_version`` is the oldest
+    version any sample was generated by (staleness is judged by it);
+    every sample's logprobs align with its token ids.
+    """
+
+    run_id: str
+    group_id: str = Field(min_length=1, max_length=128)
+    prompt: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    samples: list[ScoredSample] = Field(min_length=1)
+    n: int = Field(ge=1)
+    policy_version: int = Field(ge=0)
+    rollout_id: str = ""
+    gen_s: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrajectoryGroup:
+        if len(self.samples) != self.n:
+            raise ValueError(f"{len(self.samples)} samples for a group of n={self.n}")
+        oldest = min(s.policy_version for s in self.samples)
+        if self.policy_version != oldest:
+            raise ValueError(f"policy_version {self.policy_version} is not the oldest sample's ({oldest})")
+        return self
+
+
+# --------------------------------------------------------------------------
+# Encoding
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(model: BaseModel) -> bytes:
+    """Compact binary form of a wire model (msgpack)."""
+    return msgpack.packb(model.model_dump(mode="python", exclude_defaults=False), use_bin_type=True)
+
+
+def decode(cls: type[M], data: bytes) -> M:
+    """Parse and validate bytes made by :func:`encode`; raises ``ValueError`` on bad input."""
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
+        raise ValueError(f"not a msgpack payload: {e}") from e
+    return cls.model_validate(raw)
