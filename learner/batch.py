@@ -1,0 +1,158 @@
+"""From accepted trajectory groups to padded micro-batches.
+
+The learner's rank 0 turns the groups of one optimizer step into
+:class:`TrainSeq` rows (advantages and aggregation weights computed over the
+*whole* batch, see ``learner.loss``), splits them across data-parallel ranks
+balanced by tokens, and each rank packs its share into micro-batches whose
+padded size stays within ``learner.micro_batch_tokens``. Every rank runs the
+same number of micro-batches (short ranks add empty ones) because ZeRO-3
+gathers parameters collectively in every forward pass.
+
+Inputs from the stream are validated here (:func:`check_group`) before any
+tensor is built: a bad group is dead-lettered by the caller with the reason
+returned, and the learner keeps running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from learner.advantages import group_advantages, has_signal
+from learner.loss import aggregation_coefs
+from services.config import LossConfig
+from services.wire import TrajectoryGroup
+
+
+@dataclass(frozen=True)
+class TrainSeq:
+    """One completion to train on: prompt and completion ids, behaviour log-probs, A_i and c_i."""
+
+    group_id: str
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+    behav: tuple[float, ...]
+    advantage: float
+    coef: float
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+
+def check_group(group: TrajectoryGroup, vocab_size: int, max_len: int) -> str | None:
+    """Why ``group`` cannot be trained on by a model of ``vocab_size`` and ``max_len``, or None.
+
+    (Logprob/token length mismatches are already refused by the wire type's
+    validator when the payload is decoded.)
+    """
+    bad = [t for t in group.prompt_token_ids if t >= vocab_size]
+    if bad:
+        return f"prompt token id {bad[0]} >= vocab size {vocab_size}"
+    for i, s in enumerate(group.samples):
+        bad = [t for t in s.token_ids if t >= vocab_size]
+        if bad:
+            return f"sample {i}: token id {bad[0]} >= vocab size {vocab_size}"
+        if len(s.logprobs) != len(s.token_ids):
+            return f"sample {i}: {len(s.logprobs)} logprobs for {len(s.token_ids)} tokens"
+        total = len(group.prompt_token_ids) + len(s.token_ids)
+        if total > max_len:
+            return f"sample {i}: prompt + completion is {total} tokens, over the model's {max_len}"
+    return None
+
+
+def group_has_signal(group: TrajectoryGroup) -> bool:
+    return has_signal([s.reward for s in group.samples])
+
+
+def build_batch(groups: Sequence[TrajectoryGroup], cfg: LossConfig, max_tokens: int) -> list[TrainSeq]:
+    """The rows of one optimizer step, in group order.
+
+    Advantages use every sample of a group (the group is the baseline);
+    overlong-filtered and empty completions are then left out, and the
+    aggregation weights are computed over the rows that remain.
+    """
+    rows: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[float, ...], float]] = []
+    for g in groups:
+        advs = group_advantages([s.reward for s in g.samples], cfg.advantage)
+        for s, a in zip(g.samples, advs, strict=True):
+            if not s.token_ids:
+                continue  # nothing to learn from an empty completion
+            if cfg.drop_overlong and s.finish_reason == "length":
+                continue
+            rows.append((g.group_id, tuple(g.prompt_token_ids), tuple(s.token_ids), tuple(s.logprobs), a))
+    if not rows:
+        return []
+    norm = cfg.norm_tokens or max_tokens * len(rows)
+    coefs = aggregation_coefs(cfg.aggregation, [len(r[2]) for r in rows], norm)
+    return [TrainSeq(gid, p, c, b, a, k) for (gid, p, c, b, a), k in zip(rows, coefs, strict=True)]
+
+
+def split_ranks(seqs: Sequence[TrainSeq], world: int) -> list[list[TrainSeq]]:
+    """Deal rows to ``world`` ranks, longest first to the rank with fewest tokens (deterministic)."""
+    shares: list[list[TrainSeq]] = [[] for _ in range(world)]
+    load = [0] * world
+    for s in sorted(seqs, key=lambda s: (-s.length, s.group_id, s.completion)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        shares[r].append(s)
+        load[r] += s.length
+    return shares
+
+
+def pack(seqs: Sequence[TrainSeq], budget_tokens: int) -> list[list[TrainSeq]]:
+    """Micro-batches of rows whose padded size (rows x longest) is within ``budget_tokens``.
+
+    Rows are sorted by length so padding stays small; a row longer than the
+    budget gets a micro-batch of its own.
+    """
+    out: list[list[TrainSeq]] = []
+    cur: list[TrainSeq] = []
+    for s in sorted(seqs, key=lambda s: (-s.length, s.group_id, s.completion)):
+        longest = max([s.length] + [x.length for x in cur])
+        if cur and (len(cur) + 1) * longest > budget_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def collate(mb: Sequence[TrainSeq], pad_id: int):
+    """Right-padded tensors of a micro-batch; an empty ``mb`` gives one all-masked dummy row.
+
+    Keys: ``input_ids``/``attention_mask`` ``[B, L]``; ``targets``, ``mask``,
+    ``behav``, ``coef`` ``[B, L-1]`` aligned with the logits that predict
+    each next token; ``advantages`` ``[B]``.
+    """
+    import torch
+
+    rows = list(mb) or [TrainSeq("", (pad_id,), (pad_id,), (0.0,), 0.0, 0.0)]
+    dummy = not mb
+    b, length = len(rows), max(s.length for s in rows)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, length), dtype=torch.long)
+    mask = torch.zeros((b, length - 1))
+    behav = torch.zeros((b, length - 1))
+    coef = torch.zeros((b, length - 1))
+    adv = torch.zeros(b)
+    for i, s in enumerate(rows):
+        ids = s.prompt + s.completion
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attn[i, : len(ids)] = 1
+        p, c = len(s.prompt), len(s.completion)
+        # completion token j sits at position p + j and is predicted by the logits at p + j - 1
+        if not dummy:
+            mask[i, p - 1 : p - 1 + c] = 1.0
+        behav[i, p - 1 : p - 1 + c] = torch.tensor(s.behav, dtype=torch.float32)
+        coef[i, p - 1 : p - 1 + c] = s.coef
+        adv[i] = s.advantage
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attn,
+        "targets": input_ids[:, 1:],
+        "mask": mask,
+        "behav": behav,
+        "coef": coef,
+        "advantages": adv,
+    }

@@ -1,0 +1,332 @@
+"""The DeepSpeed engine around a Hugging Face causal LM.
+
+One :class:`Engine` per rank. It loads ``model.path`` with
+``AutoModelForCausalLM`` (optionally wrapped in a peft LoRA adapter), hands
+it to ``deepspeed.initialize`` with ZeRO stage 0-3, optimizer/parameter
+offload, fp32/bf16 and activation checkpointing from ``[learner]``, and
+offers the four things the trainer needs:
+
+- :meth:`train_step`: one optimizer step over this rank's share of a batch,
+  micro-batched by token budget with gradient accumulation (DeepSpeed's
+  accumulation boundary is set by hand because the number of micro-batches
+  varies per step; every rank runs the same number, see ``learner.batch``);
+- :meth:`full_state_dict`: the full weights in Hugging Face naming on rank 0
+  (ZeRO-3 parameters gathered module by module with ``GatheredParameters``;
+  LoRA merged into the base weights), for publishing;
+- :meth:`save` / :meth:`load`: DeepSpeed checkpoints plus the learner's own
+  state and each rank's RNG state, committed by an atomically written
+  pointer file (a checkpoint killed half-way is never loaded);
+- a frozen reference model when ``loss.beta > 0``: the adapter-disabled
+  base model under LoRA (no copy), else a second copy, ZeRO-3-sharded when
+  the policy is (TRL's approach), otherwise replicated without gradients.
+
+Distributed setup: ``deepspeed.init_distributed`` with gloo on CPU
+(``DS_ACCELERATOR=cpu``), NCCL on GPUs; rank/world from the launcher's
+environment (``torchrun`` / ``deepspeed``), or a single rank when none is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from learner.batch import TrainSeq, collate, pack
+from learner.loss import LossStats, token_entropy, token_logprobs, token_loss
+from services.config import RunConfig
+
+POINTER = "tandem-latest"
+STATE_FILE = "learner-state.json"
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise torch.distributed for DeepSpeed (idempotent); return (rank, world)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:
+        # single process without a launcher: a one-rank group on a free local port
+        from broker.embedded import free_port
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not torch.distributed.is_initialized():
+        backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+        deepspeed.init_distributed(dist_backend=backend)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def ds_config(cfg: RunConfig) -> dict:
+    """The DeepSpeed config dict of a run's ``[learner]`` section."""
+    lc = cfg.learner
+    zero: dict = {"stage": lc.zero_stage}
+    if lc.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if lc.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if lc.zero_stage == 3:
+        # publish gathers parameters explicitly; the 16-bit consolidated save is not used
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    return {
+        # the trainer decides the batch; DeepSpeed sees one "sample" per micro-step and
+        # the accumulation boundary is set by hand (see Engine.train_step)
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": lc.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": lc.precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        # a torch AdamW everywhere keeps all stages numerically comparable
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Engine:
+    """A DeepSpeed-wrapped policy (and reference) on this rank."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        self.rank, self.world = init_distributed()
+        self.device = torch.device(get_accelerator().current_device_name())
+        seed_everything(cfg.learner.seed)
+        lc = cfg.learner
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32)
+        model.config.use_cache = False
+        self.vocab_size = model.config.vocab_size
+        self.max_len = int(getattr(model.config, "max_position_embeddings", cfg.model.max_model_len))
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        if lc.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = lc.lora is not None
+        if self.lora:
+            from peft import LoraConfig as PeftLoraConfig
+            from peft import get_peft_model
+
+            model = get_peft_model(
+                model,
+                PeftLoraConfig(
+                    r=lc.lora.r, lora_alpha=lc.lora.alpha, lora_dropout=lc.lora.dropout,
+                    target_modules=list(lc.lora.target_modules), task_type="CAUSAL_LM",
+                ),
+            )
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay)
+        warmup = lc.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+        )
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg)
+        )
+        self.zero_stage = lc.zero_stage
+        self.ref = None
+        if cfg.loss.beta > 0 and not self.lora:
+            ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32)
+            ref.config.use_cache = False
+            ref.requires_grad_(False)
+            if lc.zero_stage == 3:
+                ref_cfg = {
+                    "train_micro_batch_size_per_gpu": 1,
+                    "zero_optimization": {"stage": 3, **({"offload_param": {"device": "cpu"}} if lc.offload_params else {})},
+                    "bf16": {"enabled": lc.precision == "bf16"},
+                }
+                self.ref, *_ = deepspeed.initialize(model=ref, config=ref_cfg)
+            else:
+                dtype = torch.bfloat16 if lc.precision == "bf16" else torch.float32
+                self.ref = ref.to(self.device, dtype=dtype)
+            self.ref.eval()
+
+    # -- training ------------------------------------------------------------
+
+    def _logits(self, module, batch: dict) -> torch.Tensor:
+        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        # sample-time temperature: the behaviour log-probs describe softmax(logits / T)
+        return out.logits[:, :-1].float() / self.cfg.sampling.temperature
+
+    def _ref_logp(self, batch: dict) -> torch.Tensor:
+        with torch.no_grad():
+            if self.lora:
+                with self.engine.module.disable_adapter():
+                    logits = self._logits(self.engine, batch)
+            else:
+                logits = self._logits(self.ref, batch)
+            return token_logprobs(logits, batch["targets"])
+
+    def micro_batches(self, seqs: list[TrainSeq]) -> list[list[TrainSeq]]:
+        """This rank's micro-batches, padded with empty ones to the count of the busiest rank."""
+        mbs = pack(seqs, self.cfg.learner.micro_batch_tokens)
+        n = torch.tensor([len(mbs)], dtype=torch.long)
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        return mbs + [[] for _ in range(int(n) - len(mbs))]
+
+    def train_step(self, seqs: list[TrainSeq]) -> dict[str, float]:
+        """One optimizer step on this rank's rows; returns batch-wide statistics (all ranks)."""
+        cfg = self.cfg
+        self.engine.train()
+        mbs = self.micro_batches(seqs)
+        local = LossStats()
+        for i, mb in enumerate(mbs):
+            batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id).items()}
+            self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
+            logits = self._logits(self.engine, batch)
+            logp = token_logprobs(logits, batch["targets"])
+            entropy = token_entropy(logits if cfg.loss.entropy_coef > 0 else logits.detach())
+            ref_logp = self._ref_logp(batch) if cfg.loss.beta > 0 else None
+            loss, st = token_loss(
+                cfg.loss, logp=logp, behav_logp=batch["behav"], advantages=batch["advantages"],
+                mask=batch["mask"], coef=batch["coef"], ref_logp=ref_logp, entropy=entropy,
+            )
+            # c_{i,t} already normalises over the whole batch; DeepSpeed averages gradients
+            # over data-parallel ranks, so scale by the world size to keep a sum
+            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            local.merge(st)
+        self.engine.step()
+        total = torch.tensor(local.as_vector(), dtype=torch.float64)
+        torch.distributed.all_reduce(total)
+        wmax = torch.tensor([local.is_weight_max], dtype=torch.float64)
+        torch.distributed.all_reduce(wmax, op=torch.distributed.ReduceOp.MAX)
+        out = LossStats.from_vector(total.tolist(), float(wmax)).summary()
+        norm = self.engine.get_global_grad_norm()
+        out["grad_norm"] = float(norm) if norm is not None else float("nan")
+        out["lr"] = float(self.scheduler.get_last_lr()[0])
+        out["micro_batches"] = len(mbs)
+        return out
+
+    # -- weights ---------------------------------------------------------------
+
+    def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Full weights in Hugging Face naming on rank 0 (empty on other ranks). Collective."""
+        import deepspeed
+
+        module = self.engine.module
+        gather = self.zero_stage == 3
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()  # tied weights (lm_head = embed_tokens) are written once
+        lora_layers = {}
+        if self.lora:
+            from peft.tuners.lora import LoraLayer
+
+            lora_layers = {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+        for mod_name, mod in module.named_modules():
+            if mod_name in lora_layers:
+                m = lora_layers[mod_name]
+                with deepspeed.zero.GatheredParameters(list(m.parameters()), modifier_rank=None, enabled=gather):
+                    if self.rank == 0:
+                        base = m.get_base_layer()
+                        w = base.weight.detach().float() + m.get_delta_weight("default").detach().float()
+                        key = _hf_name(f"{mod_name}.weight")
+                        out[key] = w.to("cpu", dtype=dtype)
+                        seen.add(id(base.weight))
+                        if getattr(base, "bias", None) is not None:
+                            out[_hf_name(f"{mod_name}.bias")] = base.bias.detach().to("cpu", dtype=dtype).clone()
+                            seen.add(id(base.bias))
+                continue
+            if any(_inside(mod_name, ln) for ln in lora_layers):
+                continue  # base layer and adapter matrices of a LoRA layer: merged above
+            own = [(n, p) for n, p in mod.named_parameters(recurse=False) if id(p) not in seen]
+            if not own:
+                continue
+            with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=None, enabled=gather):
+                for n, p in own:
+                    seen.add(id(p))
+                    if self.rank == 0:
+                        key = _hf_name(f"{mod_name}.{n}" if mod_name else n)
+                        out[key] = p.detach().to("cpu", dtype=dtype).clone()
+        return out
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def save(self, ckpt_dir: str | Path, tag: str, state: dict, keep: int = 2) -> None:
+        """Save a resumable checkpoint ``tag`` with the learner ``state``. Collective.
+
+        The pointer file is replaced (atomically) only after every rank's
+        files are written, so a kill mid-save leaves the previous checkpoint
+        in force.
+        """
+        ckpt_dir = Path(ckpt_dir)
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={}, save_latest=False)
+        tag_dir = ckpt_dir / tag
+        torch.save(rng_state(), tag_dir / f"rng-rank{self.rank}.pt")
+        torch.distributed.barrier()
+        if self.rank == 0:
+            _atomic_write(tag_dir / STATE_FILE, json.dumps(state))
+            _atomic_write(ckpt_dir / POINTER, tag)
+            tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step")), key=_tag_step)
+            for old in tags[:-keep]:
+                if old.name != tag:
+                    shutil.rmtree(old)
+        torch.distributed.barrier()
+
+    def load(self, ckpt_dir: str | Path) -> dict | None:
+        """Load the checkpoint the pointer names; return the learner state, or None if there is none."""
+        ckpt_dir = Path(ckpt_dir)
+        pointer = ckpt_dir / POINTER
+        if not pointer.exists():
+            return None
+        tag = pointer.read_text().strip()
+        path, _ = self.engine.load_checkpoint(
+            str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+        state = json.loads((ckpt_dir / tag / STATE_FILE).read_text())
+        rng = ckpt_dir / tag / f"rng-rank{self.rank}.pt"
+        if rng.exists():
+            set_rng_state(torch.load(rng, weights_only=False))
+        return state
+
+
+def _inside(name: str, parent: str) -> bool:
+    return name.startswith(parent + ".")
+
+
+def _hf_name(name: str) -> str:
+    """Parameter name as the base model's checkpoint spells it (peft prefixes removed)."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def _tag_step(p: Path) -> int:
+    digits = p.name.removeprefix("step")
+    return int(digits) if digits.isdigit() else -1
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])

@@ -1,0 +1,43 @@
+"""The rollout server: vLLM as a long-lived HTTP service and GRPO actor.
+
+One process, one vLLM engine (``AsyncLLM``), serving
+
+- ``POST /v1/generate``: samples with the sampled tokens' log-probabilities
+  and the weight version that produced them (``api``);
+- ``GET/POST /v1/weights``: the loaded version; load a published version in
+  place (``engine``, ``transports``);
+- the actor loop when started for a run: prompt groups from the broker under
+  admission control, scored by the reward server, handed to the learner as
+  trajectory groups (``actor``).
+
+Modules: ``settings`` (``TANDEM_ROLLOUT_*``), ``engine`` (vLLM lifecycle,
+generation, reloads), ``transports`` (how weights reach the engine),
+``api`` (routes), ``actor`` (the loop), ``metrics``, ``app`` (factory,
+lifespan, watchdog, ``serve``). vLLM is imported only when the engine
+starts, so importing this package is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from services.config import RunConfig
+    from services.settings import ServiceSettings
+
+
+def build_app(settings: ServiceSettings, config: RunConfig | None = None, **kw) -> FastAPI:
+    from rollout_server.app import build_app as _build
+
+    return _build(settings, config, **kw)
+
+
+def serve(settings: ServiceSettings, config: RunConfig | None = None) -> None:
+    from rollout_server.app import serve as _serve
+
+    _serve(settings, config)
+
+
+__all__ = ["build_app", "serve"]

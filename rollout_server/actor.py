@@ -1,0 +1,322 @@
+"""The actor loop: prompt groups in, scored trajectory groups out.
+
+Runs inside a rollout server started with a run (``TANDEM_RUN_ID`` and a run
+config). Who it talks to:
+
+- the broker (Redis): admission control (``broker.Admission``), the
+  ``prompts`` stream it reads, the ``trajectories`` stream it appends to,
+  the weight registry it watches (``broker.WeightRegistry``);
+- the reward server: one ``POST /v1/score`` per group (``RewardClient``);
+- its own engine (``Engine``), directly, not over HTTP.
+
+One group, start to end:
+
+1. Reserve an admission slot for the loaded version. ``stale``: the learner
+   is more than ``max_staleness`` versions ahead, so load the newest version
+   first. ``full``: ``(eta + 1) * groups_per_step`` groups are queued or in
+   flight; wait.
+2. Read one prompt entry (none: give the slot back).
+3. Generate its ``n`` samples with the run's sampling parameters, renewing
+   the slot's lease meanwhile.
+4. Score all ``n`` completions in one ``POST /v1/score``. Items that come back
+   with an infrastructure status (``sandbox_error``, ``judge_error``: reward
+   is None) are scored again, up to ``reward.retries`` more times; if any
+   still fail, the group is dead-lettered and counted (``infra_dropped``),
+   never trained with a made-up 0.
+5. Hand off: append the trajectory group (behaviour log-probs, per-sample
+   versions; the group's version is its oldest sample's) and ack the prompt
+   in one atomic step; the slot becomes a queued ticket until the learner
+   acks the group.
+
+Up to ``actor_concurrency`` groups run at once, so vLLM batches them.
+
+Failures: a malformed prompt entry or one that cannot fit the model is
+dead-lettered. When the reward server is unreachable (after the client's
+retries) the slot is released and the prompt entry left pending: the stream
+redelivers it after the visibility timeout. When the engine dies the loop
+stops with :class:`EngineDead` and the server exits non-zero.
+
+Weights: a watcher waits on the registry (pub/sub plus polling) and loads
+each newer version as soon as it is published; admission's ``stale`` answer
+loads it too (whichever comes first; the engine's reload lock makes the other
+a no-op). What happens to groups in flight during a reload is the engine's
+policy (``engine`` module docstring): they finish on the old weights and are
+tagged with the old version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+from pydantic import ValidationError
+
+from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRegistry
+from broker.weights import WeightVersion
+from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.transports import WeightLoadError
+from services import wire
+from services.clients import RewardClient
+from services.config import RunConfig
+
+log = logging.getLogger("tandem.rollout.actor")
+
+HEARTBEAT_S = 10.0
+LOAD_RETRY_S = 5.0
+
+
+class BadScoreResponse(Exception):
+    """The reward server's answer does not match the request (a bug on its side)."""
+
+
+class Actor:
+    """The actor loop of one rollout server for one run."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        redis,
+        keys: Keys,
+        config: RunConfig,
+        reward: RewardClient,
+        server_id: str,
+        metrics: RolloutMetrics,
+        concurrency: int = 32,
+    ) -> None:
+        self.engine = engine
+        self.redis = redis
+        self.keys = keys
+        self.config = config
+        self.reward = reward
+        self.server_id = server_id
+        self.metrics = metrics
+        st = config.staleness
+        self.admission = Admission(
+            redis,
+            keys,
+            max_staleness=st.max_staleness,
+            groups_per_step=config.learner.groups_per_step,
+            lease_s=st.lease_s,
+        )
+        self.concurrency = min(concurrency, self.admission.capacity)
+        self.prompts = Stream.prompts(
+            redis, keys, visibility_timeout_s=st.visibility_timeout_s, max_deliveries=st.max_deliveries
+        )
+        self.trajectories = Stream.trajectories(redis, keys)
+        self.registry = WeightRegistry(redis, keys)
+        self._failed_load: tuple[int, float] | None = None  # (version, monotonic time) of the last failure
+
+    # -- top level -------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Run until cancelled; raises :class:`EngineDead` when the engine dies."""
+        await self.prompts.ensure_group()
+        await self.trajectories.ensure_group()
+        log.info(
+            "actor %s on run %s: capacity %d, concurrency %d",
+            self.server_id, self.keys.run_id, self.admission.capacity, self.concurrency,
+        )
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch_weights())
+            tg.create_task(self._heartbeat())
+            await self._admit(tg)
+
+    async def _admit(self, tg: asyncio.TaskGroup) -> None:
+        slots = asyncio.Semaphore(self.concurrency)
+        while True:
+            await slots.acquire()
+            started = False
+            try:
+                decision = await self.admission.reserve(self.engine.version, timeout_s=1.0)
+                self.metrics.admission.labels(decision.reason).inc()
+                if decision.reason == "stale":
+                    await self._catch_up()
+                    continue
+                if decision.ticket is None:  # full: reserve() already waited its timeout
+                    continue
+                deliveries = await self.prompts.read(self.server_id, count=1, block_ms=1000)
+                if not deliveries:
+                    await self.admission.release(decision.ticket)
+                    continue
+                task = tg.create_task(self._group(deliveries[0], decision.ticket))
+                task.add_done_callback(lambda _t: slots.release())
+                started = True
+            finally:
+                if not started:
+                    slots.release()
+
+    # -- weights ---------------------------------------------------------------
+
+    async def _watch_weights(self) -> None:
+        while True:
+            latest = await self.registry.wait_newer(self.engine.version, timeout_s=30.0)
+            if latest is not None:
+                await self._load(latest)
+
+    async def _catch_up(self) -> None:
+        latest = await self.registry.latest()
+        if latest is None or latest.version <= self.engine.version:
+            return
+        await self._load(latest)
+
+    async def _load(self, wv: WeightVersion) -> None:
+        """Load ``wv``; a refused version is retried after ``LOAD_RETRY_S`` (the learner may
+        still be writing it, or a newer one will replace it)."""
+        if self._failed_load is not None:
+            version, at = self._failed_load
+            wait = LOAD_RETRY_S - (time.monotonic() - at)
+            if version == wv.version and wait > 0:
+                await asyncio.sleep(wait)
+        try:
+            await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
+        except WeightLoadError as e:
+            self._failed_load = (wv.version, time.monotonic())
+            log.error("cannot load published version %d: %s", wv.version, e.message)
+            return
+        self._failed_load = None
+        await self.registry.report_in_use(self.server_id, self.engine.version)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self.registry.report_in_use(self.server_id, self.engine.version)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    # -- one group -------------------------------------------------------------
+
+    async def _renew(self, ticket: Ticket, lost: asyncio.Event) -> None:
+        while True:
+            await asyncio.sleep(self.admission.lease_s / 3)
+            if not await self.admission.renew(ticket):
+                lost.set()
+                return
+
+    async def _drop(self, delivery: Delivery, ticket: Ticket, outcome: str, reason: str) -> None:
+        """Dead-letter the prompt entry (it cannot succeed) and free the slot."""
+        log.warning("dropping group %s: %s", delivery.envelope.group_id, reason)
+        await self.prompts.dead_letter(delivery, reason)
+        await self.admission.release(ticket)
+        self.metrics.groups.labels(outcome).inc()
+
+    async def _group(self, delivery: Delivery, ticket: Ticket) -> None:
+        lost = asyncio.Event()
+        renewer = asyncio.create_task(self._renew(ticket, lost))
+        self.metrics.groups_in_flight.inc()
+        try:
+            await self._process(delivery, ticket, lost)
+        except (EngineDead, asyncio.CancelledError):
+            # the slot would otherwise stay taken until its lease expires
+            await self.admission.release(ticket)
+            raise
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            self.metrics.groups_in_flight.dec()
+
+    async def _process(self, delivery: Delivery, ticket: Ticket, lost: asyncio.Event) -> None:
+        try:
+            pg = wire.decode(wire.PromptGroup, delivery.envelope.payload)
+        except (ValueError, ValidationError) as e:
+            await self._drop(delivery, ticket, "malformed", f"malformed prompt group: {e}")
+            return
+        if pg.run_id != self.keys.run_id:
+            await self._drop(delivery, ticket, "malformed", f"prompt group of run {pg.run_id!r} in run {self.keys.run_id!r}")
+            return
+        s = self.config.sampling
+        ids = self.engine.tokenize(pg.prompt)
+        room = self.engine.max_model_len - len(ids)
+        sampling = Sampling(
+            n=pg.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            # a long prompt leaves less room: cap the completion instead of refusing
+            # (its finish_reason "length" tells the learner it was cut)
+            max_tokens=max(1, min(s.max_tokens, room)),
+            stop=tuple(s.stop),
+        )
+        try:
+            self.engine.check(ids, sampling, prompt_field="prompt")
+        except InvalidRequest as e:
+            await self._drop(delivery, ticket, "invalid", f"cannot generate: {e}")
+            return
+
+        t0 = time.monotonic()
+        gen = await self.engine.generate(ids, sampling, source="actor")
+        gen_s = time.monotonic() - t0
+        self.metrics.group_gen_s.observe(gen_s)
+
+        try:
+            results = await self._score(pg, gen.samples)
+        except httpx.HTTPStatusError as e:
+            if 400 <= e.response.status_code < 500 and e.response.status_code != 429:
+                await self._drop(delivery, ticket, "score_refused", f"reward server refused the group: {e.response.text[:500]}")
+                return
+            return await self._retry_later(delivery, ticket, f"reward server error {e.response.status_code}")
+        except httpx.TransportError as e:
+            return await self._retry_later(delivery, ticket, f"reward server unreachable: {e!r}")
+        except BadScoreResponse as e:
+            return await self._retry_later(delivery, ticket, f"bad reward response: {e}")
+        if results is None:
+            await self.redis.hincrby(self.keys.counters, "infra_dropped", 1)
+            await self._drop(
+                delivery, ticket, "infra_dropped",
+                f"reward infrastructure failure after {self.config.reward.retries} retries",
+            )
+            return
+        if lost.is_set():
+            # the slot expired and may have been given to another group: handing off now
+            # could exceed capacity. Leave the entry pending; it will be redelivered.
+            return await self._retry_later(delivery, ticket, "admission lease expired during generation")
+
+        samples = [
+            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status)
+            for smp, r in zip(gen.samples, results, strict=True)
+        ]
+        traj = wire.TrajectoryGroup(
+            run_id=pg.run_id,
+            group_id=pg.group_id,
+            prompt=pg.prompt,
+            prompt_token_ids=gen.prompt_token_ids,
+            samples=samples,
+            n=pg.n,
+            policy_version=min(x.policy_version for x in samples),
+            rollout_id=self.server_id,
+            gen_s=gen_s,
+        )
+        await self.prompts.handoff(
+            delivery,
+            self.trajectories,
+            Envelope(pg.group_id, traj.policy_version, wire.encode(traj)),
+            ticket.token,
+        )
+        self.metrics.groups.labels("produced").inc()
+
+    async def _retry_later(self, delivery: Delivery, ticket: Ticket, reason: str) -> None:
+        log.warning("group %s left for redelivery: %s", delivery.envelope.group_id, reason)
+        await self.admission.release(ticket)
+        self.metrics.groups.labels("redeliver").inc()
+
+    async def _score(self, pg: wire.PromptGroup, samples: list[wire.Sample]) -> list[wire.ScoreResult] | None:
+        """Rewards of the samples in order; None if infrastructure failures persist."""
+        ids = [f"{pg.group_id}:{i}" for i in range(len(samples))]
+        results: dict[str, wire.ScoreResult] = {}
+        todo = list(range(len(samples)))
+        for _attempt in range(self.config.reward.retries + 1):
+            request = wire.ScoreRequest(
+                items=[wire.ScoreItem(id=ids[i], completion=samples[i].text, spec=pg.spec) for i in todo]
+            )
+            response = await self.reward.score(request)
+            by_id = {r.id: r for r in response.results}
+            if set(by_id) != {ids[i] for i in todo}:
+                raise BadScoreResponse(f"asked for {len(todo)} ids, got results for {sorted(by_id)[:5]}")
+            todo = [i for i in todo if by_id[ids[i]].status in wire.INFRA_STATUSES]
+            results.update({k: v for k, v in by_id.items() if v.status not in wire.INFRA_STATUSES})
+            if not todo:
+                return [results[i] for i in ids]
+        return None

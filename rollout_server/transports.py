@@ -1,0 +1,179 @@
+"""How a published weight version gets into the engine: the transport seam.
+
+A load has two halves, so that slow I/O never stalls generation:
+
+1. :meth:`WeightTransport.prepare` runs while the engine keeps generating:
+   find the weights, verify the checksum, check that they fit the model.
+   Anything wrong here is a :class:`WeightLoadError` and the engine was never
+   touched: the old weights keep serving.
+2. :meth:`WeightTransport.apply` runs while the engine is paused (see
+   ``engine.Engine.load_weights``): it moves the prepared weights into the
+   engine in place.
+
+:class:`FilesystemTransport` handles paths and ``file://`` URIs (a directory
+of safetensors per version: local disk, a docker-compose volume, a Modal
+Volume). A GPU transport over vLLM's NCCL weight-transfer engine fits the
+same two methods: ``prepare`` would call ``init_weight_transfer_engine`` once
+and agree on the tensor list with the learner, ``apply`` would call
+``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` while
+the learner broadcasts. The actor loop and the HTTP API only ever call
+``Engine.load_weights(LoadWeights)``, which picks the transport by URI
+scheme, so adding one touches neither.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from services import weightstore
+from services.wire import LoadWeights
+
+
+class WeightLoadError(Exception):
+    """A weight version that cannot be loaded; ``status`` is the HTTP status it maps to."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Weights verified and ready to be applied."""
+
+    request: LoadWeights
+    location: Any
+    bytes: int
+
+
+class WeightTransport(Protocol):
+    def accepts(self, uri: str) -> bool: ...
+
+    async def prepare(self, request: LoadWeights) -> Prepared: ...
+
+    async def apply(self, llm: Any, prepared: Prepared) -> None: ...
+
+
+# -- safetensors headers ------------------------------------------------------
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from a safetensors file's header, checking that
+    every tensor's byte range lies inside the file (catches truncated files).
+
+    The format is 8 bytes little-endian header length, a JSON header, then data.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise WeightLoadError(422, f"{path.name}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise WeightLoadError(422, f"{path.name}: corrupt safetensors header (length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise WeightLoadError(422, f"{path.name}: corrupt safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise WeightLoadError(422, f"{path.name}: corrupt safetensors header")
+    data_len = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise WeightLoadError(422, f"{path.name}: corrupt entry for {name}") from e
+        if not (0 <= start <= end <= data_len):
+            raise WeightLoadError(422, f"{path.name}: {name} lies beyond the end of the file (truncated?)")
+        out[name] = (dtype, shape)
+    return out
+
+
+def checkpoint_signature(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over every ``*.safetensors`` file of a checkpoint directory."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(422, f"no *.safetensors files in {directory}")
+    sig: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        for name, (_dtype, shape) in read_safetensors_header(f).items():
+            sig[name] = shape
+    return sig
+
+
+# -- filesystem ---------------------------------------------------------------
+
+
+class FilesystemTransport:
+    """Weights in a directory of safetensors, named by a path or ``file://`` URI.
+
+    ``reference`` is the signature (tensor names and shapes) of the model the
+    engine was started with; a version whose tensors differ is refused before
+    the engine sees it (vLLM's in-place reload would otherwise fail half way,
+    leaving some layers new and some old).
+    """
+
+    def __init__(self, reference: dict[str, tuple[int, ...]]) -> None:
+        self.reference = reference
+
+    def accepts(self, uri: str) -> bool:
+        return "://" not in uri or uri.startswith("file://")
+
+    async def prepare(self, request: LoadWeights) -> Prepared:
+        # hashing gigabytes takes seconds: keep it off the event loop
+        return await asyncio.to_thread(self._prepare, request)
+
+    def _prepare(self, request: LoadWeights) -> Prepared:
+        try:
+            path = weightstore.uri_to_path(request.uri)
+        except weightstore.WeightStoreError as e:
+            raise WeightLoadError(422, str(e)) from e
+        if not path.is_dir():
+            raise WeightLoadError(404, f"weights for version {request.version} not found: {path} is not a directory")
+        if request.sha256 is not None:
+            try:
+                weightstore.verify(path, request.sha256)
+            except weightstore.WeightStoreError as e:
+                raise WeightLoadError(422, f"version {request.version}: {e}") from e
+            except OSError as e:
+                raise WeightLoadError(422, f"version {request.version}: unreadable weights: {e}") from e
+        try:
+            sig = checkpoint_signature(path)
+        except OSError as e:
+            raise WeightLoadError(422, f"version {request.version}: unreadable weights: {e}") from e
+        missing = sorted(set(self.reference) - set(sig))
+        # tied embeddings: a checkpoint may carry lm_head.weight or not
+        extra = sorted(set(sig) - set(self.reference) - {"lm_head.weight"})
+        wrong = sorted(n for n in set(sig) & set(self.reference) if sig[n] != self.reference[n])
+        if missing or extra or wrong:
+            parts = []
+            if missing:
+                parts.append(f"missing tensors {missing[:5]}")
+            if extra:
+                parts.append(f"unexpected tensors {extra[:5]}")
+            if wrong:
+                parts.append(
+                    "shape mismatch " + ", ".join(f"{n}: {sig[n]} != {self.reference[n]}" for n in wrong[:5])
+                )
+            raise WeightLoadError(
+                422, f"version {request.version} does not fit the served model: {'; '.join(parts)}"
+            )
+        return Prepared(request, path, weightstore.total_bytes(path))
+
+    async def apply(self, llm: Any, prepared: Prepared) -> None:
+        # vLLM's in-place reload (vllm.model_executor.model_loader.reload): loads the
+        # checkpoint layer by layer into the existing parameters and re-runs the
+        # platform's post-processing (the CPU backend repacks weights after loading,
+        # which is why a raw model.load_weights does not work there).
+        await llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(prepared.location), "is_checkpoint_format": True}
+        )

@@ -1,0 +1,282 @@
+"""The rollout server over real HTTP around the session's real vLLM engine (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shutil
+
+import httpx
+import pytest
+
+from services.wire import GenerateResponse, LoadWeights
+
+PROMPT = "The answer is"
+
+
+async def _client(server) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=server.url, headers=server.headers, timeout=120)
+
+
+async def _generate(client, **body) -> GenerateResponse:
+    r = await client.post("/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    return GenerateResponse.model_validate(r.json())
+
+
+async def _version(client) -> int:
+    r = await client.get("/v1/weights")
+    assert r.status_code == 200, r.text
+    return r.json()["version"]
+
+
+def _assert_matches_hf(hf_logprobs, weight_versions, prompt_ids, sample, atol=2e-3):
+    ref = hf_logprobs(weight_versions.dir_of(sample.policy_version), prompt_ids, sample.token_ids)
+    worst = max(abs(a - b) for a, b in zip(sample.logprobs, ref, strict=True))
+    assert worst < atol, f"vLLM logprobs differ from HF on version {sample.policy_version} by {worst}"
+
+
+# -- auth ----------------------------------------------------------------------
+
+
+async def test_auth_required_except_healthz(rollout_server):
+    async with httpx.AsyncClient(base_url=rollout_server.url, timeout=30) as c:
+        assert (await c.get("/healthz")).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic x"}):
+            r = await c.post("/v1/generate", json={"prompt": PROMPT}, headers=headers)
+            assert r.status_code == 401, (headers, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert (await c.get("/v1/weights", headers=headers)).status_code == 401
+            assert (await c.get("/metrics", headers=headers)).status_code == 401
+
+
+# -- generation ------------------------------------------------------------------
+
+
+async def test_generate_n8_shapes_and_logprobs_match_hf(rollout_server, hf_logprobs, weight_versions):
+    async with await _client(rollout_server) as c:
+        version = await _version(c)
+        out = await _generate(c, prompt=PROMPT, n=8, max_tokens=24, temperature=1.0, seed=7)
+    assert out.logprobs_mode == "raw_logprobs"
+    assert out.prompt_token_ids == rollout_server.app.state.engine.tokenize(PROMPT)
+    assert len(out.samples) == 8
+    assert len({tuple(s.token_ids) for s in out.samples}) > 1, "8 samples at temperature 1 should differ"
+    for s in out.samples:
+        assert 1 <= len(s.token_ids) <= 24
+        assert len(s.logprobs) == len(s.token_ids)
+        assert all(math.isfinite(x) and x <= 0 for x in s.logprobs)
+        assert s.policy_version == version
+        assert s.finish_reason in ("stop", "length")
+        assert s.finish_reason == "stop" or len(s.token_ids) == 24
+        _assert_matches_hf(hf_logprobs, weight_versions, out.prompt_token_ids, s)
+
+
+async def test_raw_logprobs_ignore_temperature_and_top_k(rollout_server, hf_logprobs, weight_versions):
+    """raw_logprobs are of the temperature-1 policy whatever the sampling parameters."""
+    async with await _client(rollout_server) as c:
+        out = await _generate(c, prompt_token_ids=[10, 11, 12], n=4, max_tokens=16, temperature=0.6, top_k=20, top_p=0.9)
+    for s in out.samples:
+        _assert_matches_hf(hf_logprobs, weight_versions, [10, 11, 12], s)
+
+
+async def test_seed_makes_sampling_repeatable(rollout_server):
+    async with await _client(rollout_server) as c:
+        body = dict(prompt=PROMPT, n=3, max_tokens=12, seed=1234)
+        a, b = await asyncio.gather(_generate(c, **body), _generate(c, **body))
+    assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+
+
+async def test_stop_string_ends_completion(rollout_server):
+    async with await _client(rollout_server) as c:
+        base = await _generate(c, prompt=PROMPT, n=1, max_tokens=40, temperature=0)
+        text = base.samples[0].text
+        assert len(text) >= 6
+        stop = text[3:5]
+        out = await _generate(c, prompt=PROMPT, n=1, max_tokens=40, temperature=0, stop=[stop])
+    s = out.samples[0]
+    assert s.finish_reason == "stop"
+    assert stop not in s.text and text.startswith(s.text)
+    assert len(s.token_ids) == len(s.logprobs)
+
+
+async def test_concurrent_requests_are_batched(rollout_server):
+    """16 concurrent requests take far less than 16 sequential ones (continuous batching)."""
+    async with await _client(rollout_server) as c:
+        body = dict(prompt=PROMPT, n=1, max_tokens=48, temperature=1.0, seed=3)
+        await _generate(c, **body)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for _ in range(3):
+            await _generate(c, **body)
+        sequential = (loop.time() - t0) / 3
+        t0 = loop.time()
+        outs = await asyncio.gather(*[_generate(c, **{**body, "seed": i}) for i in range(16)])
+        concurrent = loop.time() - t0
+    assert all(len(o.samples) == 1 for o in outs)
+    assert concurrent < 16 * sequential / 3, (concurrent, sequential)
+
+
+# -- bad input -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt": PROMPT, "n": 0}, "n"),
+        ({"prompt": PROMPT, "n": 17}, "n"),  # the server's max_n is 16
+        ({"prompt": PROMPT, "max_tokens": 10_000}, "max_tokens"),
+        ({"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ({"prompt": PROMPT, "temprature": 0.5}, "temprature"),
+        ({"prompt": "x" * 300}, "prompt"),  # 300 characters = 300 tokens > 256 context
+        ({"prompt_token_ids": [1, 2, 10_000]}, "prompt_token_ids"),
+        ({"prompt": PROMPT, "top_p": 0}, "top_p"),
+        ({"prompt": PROMPT, "prompt_token_ids": [4]}, "body"),
+    ],
+)
+async def test_bad_input_is_422_naming_the_field(rollout_server, body, field):
+    async with await _client(rollout_server) as c:
+        r = await c.post("/v1/generate", json=body)
+    assert r.status_code == 422, r.text
+    locs = [e["loc"] for e in r.json()["detail"]]
+    if field == "body":
+        assert any(loc == ["body"] for loc in locs), locs
+    else:
+        assert any(field in loc for loc in locs), locs
+
+
+async def test_over_capacity_is_503_with_retry_after(rollout_engine, serve_app):
+    from pydantic import SecretStr
+
+    from rollout_server import build_app
+    from rollout_server.settings import RolloutSettings
+
+    settings = RolloutSettings(token=SecretStr("t"), max_n=8, max_pending_seqs=8)
+    async with serve_app(build_app(settings, engine=rollout_engine), token="t") as server:
+        async with await _client(server) as c:
+            body = {"prompt": PROMPT, "n": 8, "max_tokens": 200, "temperature": 1.0}
+            rs = await asyncio.gather(*[c.post("/v1/generate", json=body) for _ in range(3)])
+            codes = sorted(r.status_code for r in rs)
+            assert codes[0] == 200 and 503 in codes, codes
+            busy = next(r for r in rs if r.status_code == 503)
+            assert int(busy.headers["retry-after"]) >= 1
+            # capacity frees once the admitted request is done
+            assert (await c.post("/v1/generate", json=body)).status_code == 200
+
+
+# -- weights -------------------------------------------------------------------
+
+
+async def test_weight_reload_changes_outputs_and_tags(rollout_server, weight_versions, hf_logprobs):
+    async with await _client(rollout_server) as c:
+        before_v = await _version(c)
+        greedy = dict(prompt=PROMPT, n=1, max_tokens=32, temperature=0)
+        before = await _generate(c, **greedy)
+        req = weight_versions.make(seed=101)
+        r = await c.post("/v1/weights", json=req.model_dump())
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] == req.version > before_v
+        assert r.json()["reload_s"] > 0
+        assert await _version(c) == req.version
+        after = await _generate(c, **greedy)
+        assert after.samples[0].policy_version == req.version
+        assert after.samples[0].token_ids != before.samples[0].token_ids
+        # the new weights are really in use: logprobs match HF on them (incl. the tied lm_head)
+        _assert_matches_hf(hf_logprobs, weight_versions, after.prompt_token_ids, after.samples[0])
+        # an older or equal version is a no-op, even with different weights
+        for v in (req.version, req.version - 1):
+            stale = weight_versions.make(seed=102, version=v)
+            r = await c.post("/v1/weights", json=stale.model_dump())
+            assert r.status_code == 200 and r.json()["version"] == req.version
+        again = await _generate(c, **greedy)
+        assert again.samples[0].token_ids == after.samples[0].token_ids
+        metrics = (await c.get("/metrics")).text
+        assert f"tandem_rollout_policy_version {float(req.version)}" in metrics
+        assert "tandem_rollout_reload_seconds_count" in metrics
+        assert "tandem_rollout_generated_tokens_total" in metrics
+
+
+async def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(rollout_server, weight_versions, tmp_path):
+    from learner.tiny import tiny_qwen3
+
+    async with await _client(rollout_server) as c:
+        v = await _version(c)
+        greedy = dict(prompt=PROMPT, n=1, max_tokens=24, temperature=0)
+        before = await _generate(c, **greedy)
+        good = weight_versions.make(seed=103)
+
+        # missing directory
+        r = await c.post("/v1/weights", json={"version": good.version, "uri": str(tmp_path / "nope")})
+        assert r.status_code == 404, r.text
+        # checksum mismatch
+        r = await c.post("/v1/weights", json={**good.model_dump(), "sha256": "0" * 64})
+        assert r.status_code == 422 and "checksum" in r.json()["detail"], r.text
+        # truncated file (no checksum given: caught by the header check)
+        broken = tmp_path / "truncated"
+        broken.mkdir()
+        src = weight_versions.weights_of_seed(103) / "model.safetensors"
+        (broken / "model.safetensors").write_bytes(src.read_bytes()[: src.stat().st_size // 2])
+        r = await c.post("/v1/weights", json={"version": good.version, "uri": str(broken)})
+        assert r.status_code == 422, r.text
+        # a model of another shape
+        other = tiny_qwen3(tmp_path / "other", hidden=96, seed=5)
+        r = await c.post("/v1/weights", json={"version": good.version, "uri": str(other)})
+        assert r.status_code == 422 and "shape" in r.json()["detail"], r.text
+        # unsupported scheme
+        r = await c.post("/v1/weights", json={"version": good.version, "uri": "s3://bucket/v1"})
+        assert r.status_code == 422, r.text
+
+        assert await _version(c) == v
+        after = await _generate(c, **greedy)
+        assert after.samples[0].token_ids == before.samples[0].token_ids
+        assert after.samples[0].policy_version == v
+        # and the good one still loads
+        r = await c.post("/v1/weights", json=good.model_dump())
+        assert r.status_code == 200 and r.json()["version"] == good.version
+
+
+async def test_version_tags_are_true_under_reloads_during_generation(rollout_server, weight_versions, hf_logprobs):
+    """Requests in flight while weights change: each sample's tag names the weights that
+    produced it (its logprobs match HF on that version's weights, not on the other)."""
+    async with await _client(rollout_server) as c:
+        first = await _version(c)
+        body = dict(prompt=PROMPT, n=4, max_tokens=64, temperature=1.0)
+
+        # build the weights up front: the reloads must land while requests are in flight
+        req1, req2 = weight_versions.make(seed=104), weight_versions.make(seed=105)
+
+        async def reload_soon(req, delay):
+            await asyncio.sleep(delay)
+            r = await c.post("/v1/weights", json=req.model_dump())
+            assert r.status_code == 200, r.text
+            return r.json()["version"]
+
+        async def stream_of_requests():
+            outs = []
+            for _ in range(6):
+                batch = await asyncio.gather(*[_generate(c, **body) for _ in range(4)])
+                outs += batch
+            return outs
+
+        outs, v1, v2 = await asyncio.gather(stream_of_requests(), reload_soon(req1, 0.3), reload_soon(req2, 1.0))
+    assert first < v1 < v2
+    seen = set()
+    for out in outs:
+        for s in out.samples:
+            seen.add(s.policy_version)
+            assert s.policy_version in (first, v1, v2)
+            _assert_matches_hf(hf_logprobs, weight_versions, out.prompt_token_ids, s)
+    assert len(seen) >= 2, f"reloads did not overlap generation (versions seen: {seen})"
+
+
+async def test_missing_weight_copy_does_not_break_later_loads(rollout_server, weight_versions, tmp_path):
+    """A version directory deleted after it was published is a 404, the next one loads."""
+    async with await _client(rollout_server) as c:
+        gone = weight_versions.make(seed=106)
+        moved = tmp_path / "moved"
+        shutil.copytree(weight_versions.dir_of(gone.version), moved)
+        r = await c.post("/v1/weights", json={**gone.model_dump(), "uri": str(tmp_path / "deleted")})
+        assert r.status_code == 404
+        r = await c.post("/v1/weights", json={**gone.model_dump(), "uri": moved.as_uri()})
+        assert r.status_code == 200 and r.json()["version"] == gone.version
