@@ -21,6 +21,8 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -146,3 +148,13 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def redis_or_embedded(url: str | None, data_dir: str | Path) -> Iterator[str]:
+    """Yield ``url`` when set (an external Redis), else start an embedded one for the block."""
+    if url:
+        yield url
+        return
+    with EmbeddedRedis(data_dir) as server:
+        yield server.url

@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.table import Table
 
 from broker import Admission, Envelope, Keys, Stream, WeightRegistry, accept, connect
-from broker.embedded import EmbeddedRedis
+from broker.embedded import redis_or_embedded
 from services import wire
+from services.settings import ServiceSettings
 
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 4
@@ -146,9 +147,11 @@ async def _main(steps: int, eta: int, url: str, console: Console) -> dict:
 def run_demo(steps: int, max_staleness: int, run_dir: Path) -> int:
     """Run the demo against an embedded Redis in ``run_dir``; return the exit code."""
     console = Console()
-    with EmbeddedRedis(run_dir / "redis") as server:
-        console.print(f"embedded redis-server at {server.url} (AOF in {server.data_dir})")
-        result = asyncio.run(_main(steps, max_staleness, server.url, console))
+    external = ServiceSettings().redis_url
+    with redis_or_embedded(external, run_dir / "redis") as url:
+        where = "REDIS_URL" if external else f"embedded redis-server, AOF in {run_dir / 'redis'}"
+        console.print(f"broker: {url} ({where})")
+        result = asyncio.run(_main(steps, max_staleness, url, console))
     table = Table("counter", "value", title=f"accounting (eta = {max_staleness})")
     for k in ["accepted", "stale_dropped", "redelivered", "duplicates", "dead_lettered", "produced",
               "admitted", "refused_stale", "max_observed_lag", "trained_twice"]:
