@@ -26,6 +26,7 @@ rollout servers from starting groups that would be stale on arrival.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, OrderedDict
 
@@ -116,13 +117,18 @@ class Feeder:
             self.counts["stale_dropped"] += len(stale)
         return len(stale)
 
-    async def next_batch(self, v_learner: int, want: int, timeout_s: float) -> list[tuple[Delivery, TrajectoryGroup]]:
+    async def next_batch(
+        self, v_learner: int, want: int, timeout_s: float, stop: threading.Event | None = None
+    ) -> list[tuple[Delivery, TrajectoryGroup]] | None:
         """``want`` groups acceptable for the step that produces ``v_learner + 1`` (oldest first).
 
-        Raises :class:`DataTimeout` when the buffer has not filled for ``timeout_s``.
+        Returns None if ``stop`` is set while waiting. Raises
+        :class:`DataTimeout` when the buffer has not filled for ``timeout_s``.
         """
         deadline = time.monotonic() + timeout_s
         while True:
+            if stop is not None and stop.is_set():
+                return None
             await self.drop_stale(v_learner)
             if len(self.buffer) >= want:
                 return [self.buffer.popitem(last=False)[1] for _ in range(want)]

@@ -165,9 +165,11 @@ class Trainer:
                 consumer=f"learner-{self.settings.name}",
             )
             self.feeder, self.registry, self.keys, self.redis = feeder, registry, keys, redis
-            await feeder.start()
+            await feeder.stream.ensure_group()
             if state and state.get("unacked"):
+                # trained into the checkpointed weights: done before anything is taken over
                 await feeder.stream.ack(_deliveries(state["unacked"]))  # no counter: may be counted already
+            await feeder.start()
             latest = await registry.latest()
             registered = latest.version if latest else 0
             if registered < version:
@@ -190,7 +192,11 @@ class Trainer:
             tokens_total = 0.0
             while step < cfg.learner.steps and not self.stop_event.is_set():
                 self.status.state = "waiting"
-                batch = await feeder.next_batch(version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s)
+                batch = await feeder.next_batch(
+                    version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
+                )
+                if batch is None:
+                    break
                 deliveries = [d for d, _ in batch]
                 seqs = build_batch([g for _, g in batch], cfg.loss, cfg.sampling.max_tokens)
                 if not seqs:  # every completion was overlong-filtered or empty
