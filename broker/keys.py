@@ -90,7 +90,7 @@ class Keys:
 
     @property
     def state(self) -> str:
-        """Hash of run state written by the control plane and the services."""
+        """Hash of the run's record (``services.runs.RunStore``: state, step, policy version, ...)."""
         return self._k("state")
 
     @property
@@ -98,11 +98,27 @@ class Keys:
         """Stream of metric points of the run (time series)."""
         return self._k("metrics")
 
+    @property
+    def metrics_summary(self) -> str:
+        """Hash ``last:NAME`` / ``first:NAME`` / ``max:NAME`` -> value over the metrics stream."""
+        return self._k("metrics:summary")
+
 
 def prompt_set(prompt_set_id: str) -> str:
     """Stream-free storage of an uploaded prompt set (a list of encoded lines)."""
     return f"{PREFIX}:prompt-set:{check_run_id(prompt_set_id)}"
 
 
+def prompt_set_meta(prompt_set_id: str) -> str:
+    """Hash describing a stored prompt set (count, bytes, created_at, reward types)."""
+    return f"{PREFIX}:prompt-set-meta:{check_run_id(prompt_set_id)}"
+
+
 RUNS = f"{PREFIX}:runs"
 """Sorted set run_id -> creation time: every run the control plane knows."""
+
+PROMPT_SETS = f"{PREFIX}:prompt-sets"
+"""Sorted set prompt_set_id -> upload time: every stored prompt set."""
+
+ACTIVE_RUN = f"{PREFIX}:active-run"
+"""String: the id of the run the stack works on (queued or running); absent when idle."""

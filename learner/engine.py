@@ -100,7 +100,7 @@ class Engine:
         self.device = torch.device(get_accelerator().current_device_name())
         seed_everything(cfg.learner.seed)
         lc = cfg.learner
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
         model.config.use_cache = False
         self.vocab_size = model.config.vocab_size
         self.max_len = int(getattr(model.config, "max_position_embeddings", cfg.model.max_model_len))
@@ -131,7 +131,7 @@ class Engine:
         self.zero_stage = lc.zero_stage
         self.ref = None
         if cfg.loss.beta > 0 and not self.lora:
-            ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=torch.float32)
+            ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
             ref.config.use_cache = False
             ref.requires_grad_(False)
             if lc.zero_stage == 3:
@@ -197,7 +197,8 @@ class Engine:
         torch.distributed.all_reduce(wmax, op=torch.distributed.ReduceOp.MAX)
         out = LossStats.from_vector(total.tolist(), float(wmax)).summary()
         norm = self.engine.get_global_grad_norm()
-        out["grad_norm"] = float(norm) if norm is not None else float("nan")
+        # DeepSpeed reports the norm for ZeRO >= 1; without ZeRO it keeps none (None in the stats)
+        out["grad_norm"] = float(norm) if norm is not None else None
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         out["micro_batches"] = len(mbs)
         return out
@@ -241,8 +242,27 @@ class Engine:
                     seen.add(id(p))
                     if self.rank == 0:
                         key = _hf_name(f"{mod_name}.{n}" if mod_name else n)
-                        out[key] = p.detach().to("cpu", dtype=dtype).clone()
+                        t = p.detach().to("cpu", dtype=dtype)
+                        # a gathered ZeRO-3 parameter is released when the context exits: copy it;
+                        # otherwise the live tensor is fine (it is written before the next step)
+                        out[key] = t.clone() if gather and t.data_ptr() == p.data_ptr() else t
         return out
+
+    def adapter_state_dict(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], str]:
+        """The LoRA adapter in PEFT's saved naming and its ``adapter_config.json`` text (rank 0). Collective."""
+        import deepspeed
+
+        module = self.engine.module
+        out: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            if "lora_" not in name:
+                continue
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None, enabled=self.zero_stage == 3):
+                if self.rank == 0:
+                    out[name.replace(".default.", ".")] = p.detach().to("cpu", dtype=dtype).clone()
+        config = module.peft_config["default"].to_dict()
+        config["base_model_name_or_path"] = str(self.cfg.model.path)
+        return out, json.dumps(config, default=lambda v: sorted(v) if isinstance(v, set) else str(v), indent=1)
 
     # -- checkpoints -------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """One deterministic optimizer step without a broker: for equivalence checks.
 
-    python -m learner.selfcheck --model DIR --out W.safetensors [--zero-stage 3] [--steps 1]
+    python -m learner.selfcheck --model DIR --out W.safetensors [--zero-stage 0,2,3] [--steps 1]
+    python -m learner.selfcheck --model DIR --out UNUSED --plan runs.json
     torchrun --nproc_per_node 2 -m learner.selfcheck --model DIR --out W.safetensors
 
 Builds a fixed synthetic batch of trajectory groups (seeded: every rank and
@@ -51,6 +52,25 @@ def synthetic_groups(vocab: int, n_groups: int, group_size: int, seed: int, vers
     return groups
 
 
+PROBE = [5, 17, 23, 40, 8, 9, 12, 33, 61, 2]
+"""A fixed token sequence whose log-probs the trained engine reports (to compare with vLLM)."""
+
+
+def probe_logprobs(engine) -> list[float]:
+    """log p(PROBE[i+1] | PROBE[:i+1]) under the engine's current weights (collective under ZeRO-3)."""
+    import torch
+
+    from learner.loss import token_logprobs
+
+    ids = torch.tensor([PROBE], device=engine.device)
+    engine.engine.eval()
+    with torch.no_grad():
+        logits = engine._logits(engine.engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        lp = token_logprobs(logits, ids[:, 1:])
+    engine.engine.train()
+    return lp[0].tolist()
+
+
 def selfcheck_config(model: Path, overrides: dict | None = None) -> RunConfig:
     data = {
         "name": "selfcheck",
@@ -64,37 +84,62 @@ def selfcheck_config(model: Path, overrides: dict | None = None) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--zero-stage", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=1)
-    ap.add_argument("--overrides", default="{}", help="JSON {section: {field: value}} applied to the run config.")
-    args = ap.parse_args(argv)
-
+def run_one(model: Path, out: Path, stage: int, steps: int, overrides: dict) -> None:
+    """Train ``steps`` steps on the synthetic batches with ZeRO ``stage``; rank 0 writes ``out``."""
     import torch
 
     from learner.batch import build_batch, split_ranks
     from learner.engine import Engine
     from learner.weights import write_safetensors
 
-    overrides = json.loads(args.overrides)
-    overrides.setdefault("learner", {})["zero_stage"] = args.zero_stage
-    cfg = selfcheck_config(args.model, overrides)
+    overrides = json.loads(json.dumps(overrides))
+    overrides.setdefault("learner", {})["zero_stage"] = stage
+    cfg = selfcheck_config(model, overrides)
     engine = Engine(cfg)
     stats = []
-    for step in range(args.steps):
+    for step in range(steps):
         groups = synthetic_groups(engine.vocab_size, 4, 4, seed=step)
         seqs = build_batch(groups, cfg.loss, cfg.sampling.max_tokens)
         share = split_ranks(seqs, engine.world)[engine.rank]
         stats.append(engine.train_step(share))
+    probe = probe_logprobs(engine)
+    adapter = None
+    if cfg.publish.lora_format == "adapter":
+        from learner.trainer import publish_tensors
+        from learner.weights import write_version
+
+        tensors, layout = publish_tensors(engine, cfg, torch.float32)
+        if engine.rank == 0:
+            adapter = write_version(out.parent / f"{out.stem}-adapter", 1, tensors, replace=True, **layout).path
     weights = engine.full_state_dict(torch.float32)
     if engine.rank == 0:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        write_safetensors(args.out, weights)
-        Path(f"{args.out}.json").write_text(json.dumps({"world": engine.world, "stats": stats}))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(out, weights)
+        Path(f"{out}.json").write_text(
+            json.dumps({"world": engine.world, "stage": stage, "stats": stats, "probe": PROBE, "probe_logprobs": probe,
+                        "adapter": None if adapter is None else str(adapter)})
+        )
     torch.distributed.barrier()
+    engine.engine.destroy()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="Weights file; with several stages, OUT.stageN.safetensors.")
+    ap.add_argument("--zero-stage", default="0", help="One stage or a comma-separated list, run one after another.")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--overrides", default="{}", help="JSON {section: {field: value}} applied to the run config.")
+    ap.add_argument("--plan", type=Path, help="JSON list of {stage, steps, overrides, out}: several runs in one process.")
+    args = ap.parse_args(argv)
+    if args.plan:
+        for run in json.loads(args.plan.read_text()):
+            run_one(args.model, Path(run["out"]), run.get("stage", 0), run.get("steps", 1), run.get("overrides", {}))
+        return
+    stages = [int(x) for x in args.zero_stage.split(",")]
+    for stage in stages:
+        out = args.out if len(stages) == 1 else args.out.with_name(f"{args.out.stem}.stage{stage}.safetensors")
+        run_one(args.model, out, stage, args.steps, json.loads(args.overrides))
 
 
 if __name__ == "__main__":

@@ -32,10 +32,7 @@ def build_app(settings: ServiceSettings, config: RunConfig) -> FastAPI:
     trainer = Trainer(settings, config, metrics=metrics)
 
     def _train() -> None:
-        try:
-            trainer.run_blocking()
-        except BaseException:  # recorded in trainer.status (and logged) by run_blocking; the app keeps serving it
-            pass
+        trainer.run_blocking(reraise=False)  # a failure stays visible in /v1/status and /healthz
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

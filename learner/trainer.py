@@ -13,7 +13,8 @@ One step, in this order:
 2. train one optimizer step on it;
 3. every ``publish.every`` steps: gather the full weights, write version
    ``v_learner + 1`` atomically, register it, prune old versions;
-4. every ``learner.checkpoint_every`` steps (and after the last): save a
+4. every ``learner.checkpoint_every`` steps, after the last, and when stopped
+   on request (SIGTERM; not after kill -9, of course): save a
    checkpoint holding the step, ``v_learner``, each rank's RNG state, and the
    broker position: the entry ids of this step's groups, not yet acknowledged;
 5. acknowledge this step's groups (``accepted``): they become *done*.
@@ -115,15 +116,21 @@ class Trainer:
 
     # -- entry points -------------------------------------------------------
 
-    def run_blocking(self) -> None:
-        """Run to completion in this thread (records failures in ``status``, then re-raises)."""
+    def run_blocking(self, *, reraise: bool = True) -> None:
+        """Run to completion in this thread.
+
+        A failure is recorded in ``status`` (``/healthz`` turns 503) and
+        logged; it is re-raised unless ``reraise`` is false (the HTTP
+        service's training thread, whose app keeps serving the failure).
+        """
         try:
             asyncio.run(self.run())
-        except BaseException as e:
+        except Exception as e:
             self.status.state = "failed"
             self.status.error = f"{type(e).__name__}: {e}"
             log.exception("learner failed")
-            raise
+            if reraise:
+                raise
 
     async def run(self) -> None:
         import torch
@@ -138,9 +145,15 @@ class Trainer:
         version = state["version"] if state else 0
         self.status.resumed_from = step if state else None
         if engine.rank == 0:
-            await self._run_rank0(engine, state, step, version)
-        else:
-            self._run_follower(engine, step, version)
+            try:
+                await self._run_rank0(engine, state, step, version)
+            except Exception:
+                # release the other ranks (they wait in a broadcast); a failure inside a
+                # collective cannot be helped, but a data timeout or a broker error can
+                self._command({"op": "stop", "failed": True})
+                raise
+        elif not self._run_follower(engine, step, version):
+            raise RuntimeError("rank 0 failed; see its log")
         torch.distributed.barrier()
 
     # -- rank 0 -------------------------------------------------------------
@@ -187,6 +200,7 @@ class Trainer:
             self.status.step, self.status.version = step, version
             await self._write_state(step, version)
 
+            saved_step = step
             t_start = time.monotonic()
             idle_start = feeder.idle_s
             tokens_total = 0.0
@@ -217,6 +231,7 @@ class Trainer:
                 if ckpt:
                     unacked = [[d.entry_id.decode(), d.envelope.group_id] for d in deliveries]
                     engine.save(self.paths.checkpoints, f"step{step:08d}", {"step": step, "version": version, "unacked": unacked})
+                    saved_step = step
                 await feeder.ack_trained(deliveries)
                 tokens = sum(s.length for s in seqs)
                 tokens_total += tokens
@@ -226,7 +241,10 @@ class Trainer:
                 self.status.tokens_per_s = tokens / max(train_s, 1e-9)
                 self.status.idle_fraction = (feeder.idle_s - idle_start) / max(wall, 1e-9)
                 self.status.counts = dict(feeder.counts)
-                self._audit("trained.jsonl", {"step": step, "version": version, "groups": [g.group_id for _, g in batch], "pid": os.getpid()})
+                self._audit("trained.jsonl", {
+                    "step": step, "version": version, "pid": os.getpid(),
+                    "groups": [g.group_id for _, g in batch], "group_versions": [g.policy_version for _, g in batch],
+                })
                 await self._write_state(step, version, stats)
                 if self.metrics is not None:
                     self.metrics.observe_step(self.status, tokens)
@@ -235,6 +253,10 @@ class Trainer:
                     step, version, stats["loss"], stats["kl"], stats["entropy"], stats["clip_fraction"],
                     self.status.tokens_per_s, self.status.idle_fraction,
                 )
+            if step > saved_step and step < cfg.learner.steps:
+                # stopped on request (SIGTERM): keep the progress; every trained group is acked already
+                self._command({"op": "save", "step": step})
+                engine.save(self.paths.checkpoints, f"step{step:08d}", {"step": step, "version": version, "unacked": []})
             self._command({"op": "stop"})
             self.status.state = "done" if step >= cfg.learner.steps else "stopped"
             await self._write_state(step, version)
@@ -250,9 +272,9 @@ class Trainer:
 
         dtype = getattr(torch, self.cfg.model.dtype)
         t0 = time.perf_counter()
-        tensors = engine.full_state_dict(dtype)
+        tensors, layout = publish_tensors(engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
-        written = store.write_version(self.paths.weights, version, tensors, step=step, replace=True)
+        written = store.write_version(self.paths.weights, version, tensors, step=step, replace=True, **layout)
         await registry.publish(
             WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
                           created_at=time.time(), bytes=written.bytes)
@@ -309,7 +331,8 @@ class Trainer:
 
     # -- ranks > 0 ------------------------------------------------------------
 
-    def _run_follower(self, engine, step: int, version: int) -> None:
+    def _run_follower(self, engine, step: int, version: int) -> bool:
+        """Follow rank 0's commands until it says stop; False if it stopped because it failed."""
         import torch
 
         while True:
@@ -317,16 +340,38 @@ class Trainer:
             torch.distributed.broadcast_object_list(box, src=0)
             cmd = box[0]
             if cmd["op"] == "stop":
-                return
+                return not cmd.get("failed", False)
             if cmd["op"] == "publish":
-                engine.full_state_dict(torch.float32)  # take part in the gather; rank 0 writes
+                self._gather(engine)  # take part in the gather; rank 0 writes
+                continue
+            if cmd["op"] == "save":
+                engine.save(self.paths.checkpoints, f"step{cmd['step']:08d}", {})
                 continue
             engine.train_step(cmd["shares"][engine.rank])
             step += 1
             if cmd["publish"]:
-                engine.full_state_dict(torch.float32)
+                self._gather(engine)
             if cmd["checkpoint"]:
                 engine.save(self.paths.checkpoints, f"step{step:08d}", {})
+
+    def _gather(self, engine) -> None:
+        """A follower's part of a publish: the same collective gathers rank 0 runs."""
+        import torch
+
+        publish_tensors(engine, self.cfg, torch.float32)
+
+
+def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:
+    """What a publish writes: (tensors, ``write_version`` layout arguments). Collective.
+
+    Full weights (LoRA merged in) by default; with ``publish.lora_format =
+    "adapter"`` only the adapter, in PEFT's file layout.
+    """
+    if engine.lora and cfg.publish.lora_format == "adapter":
+        tensors, adapter_config = engine.adapter_state_dict(dtype)
+        return tensors, {"weights_name": "adapter_model.safetensors",
+                         "extra_files": {"adapter_config.json": adapter_config}}
+    return engine.full_state_dict(dtype), {}
 
 
 def _deliveries(pairs: list[list[str]]):

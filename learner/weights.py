@@ -161,12 +161,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_version(
-    root: str | Path, version: int, tensors: Mapping[str, object], *, step: int = 0, replace: bool = False
+    root: str | Path,
+    version: int,
+    tensors: Mapping[str, object],
+    *,
+    step: int = 0,
+    replace: bool = False,
+    weights_name: str = WEIGHTS_FILE,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Written:
     """Atomically write version ``version`` under ``root``.
 
     An existing directory for ``version`` is an error unless ``replace``
     (a version written but never registered, found again after a crash).
+    ``weights_name`` and ``extra_files`` (name -> text) serve other layouts
+    in the same directory scheme, e.g. a PEFT adapter
+    (``adapter_model.safetensors`` + ``adapter_config.json``).
     """
     t0 = time.perf_counter()
     root = Path(root)
@@ -181,9 +191,15 @@ def write_version(
         shutil.rmtree(tmp)
     tmp.mkdir()
     sha, nbytes = write_safetensors(
-        tmp / WEIGHTS_FILE, tensors, {"format": "pt", "tandem_version": str(version), "tandem_step": str(step)}
+        tmp / weights_name, tensors, {"format": "pt", "tandem_version": str(version), "tandem_step": str(step)}
     )
-    meta = {"version": version, "step": step, "sha256": sha, "bytes": nbytes, "created_at": time.time()}
+    for name, text in (extra_files or {}).items():
+        with open(tmp / name, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    meta = {"version": version, "step": step, "sha256": sha, "bytes": nbytes, "created_at": time.time(),
+            "format": "peft-adapter" if weights_name != WEIGHTS_FILE else "full"}
     (tmp / META_FILE).write_text(json.dumps(meta))
     _fsync_dir(tmp)
     os.rename(tmp, final)

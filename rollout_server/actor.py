@@ -139,7 +139,12 @@ class Actor:
                     continue
                 if decision.ticket is None:  # full: reserve() already waited its timeout
                     continue
-                deliveries = await self.prompts.read(self.server_id, count=1, block_ms=1000)
+                try:
+                    deliveries = await self.prompts.read(self.server_id, count=1, block_ms=1000)
+                except BaseException:
+                    # cancelled (shutdown) or Redis failed while waiting: give the slot back
+                    await asyncio.shield(self.admission.release(decision.ticket))
+                    raise
                 if not deliveries:
                     await self.admission.release(decision.ticket)
                     continue
@@ -210,7 +215,7 @@ class Actor:
             await self._process(delivery, ticket, lost)
         except (EngineDead, asyncio.CancelledError):
             # the slot would otherwise stay taken until its lease expires
-            await self.admission.release(ticket)
+            await asyncio.shield(self.admission.release(ticket))
             raise
         finally:
             renewer.cancel()

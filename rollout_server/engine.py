@@ -185,6 +185,7 @@ class Engine:
             # tandem's metrics come from our stat logger, not vLLM's periodic log lines
             disable_log_stats=True,
             enable_log_requests=False,
+            worker_extension_cls="rollout_server.worker_ext.TandemWorkerExtension",
         )
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])

@@ -170,10 +170,9 @@ class FilesystemTransport:
         return Prepared(request, path, weightstore.total_bytes(path))
 
     async def apply(self, llm: Any, prepared: Prepared) -> None:
-        # vLLM's in-place reload (vllm.model_executor.model_loader.reload): loads the
+        # vLLM's in-place reload (vllm.model_executor.model_loader.reload) loads the
         # checkpoint layer by layer into the existing parameters and re-runs the
         # platform's post-processing (the CPU backend repacks weights after loading,
-        # which is why a raw model.load_weights does not work there).
-        await llm.collective_rpc(
-            "reload_weights", kwargs={"weights_path": str(prepared.location), "is_checkpoint_format": True}
-        )
+        # which is why a raw model.load_weights does not work there). Called through
+        # tandem's worker extension, which also refreshes a tied LM head (worker_ext).
+        await llm.collective_rpc("tandem_reload_weights", kwargs={"weights_path": str(prepared.location)})

@@ -38,6 +38,10 @@ SERVICE_PACKAGES = {
 }
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.secho(message, fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
@@ -69,6 +73,27 @@ def serve(
 
 
 @app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="Run config (TOML), e.g. examples/arith/run.toml.")],
+    runs_root: Annotated[Path, typer.Option("--runs", help="Where run directories go.")] = Path("runs"),
+) -> None:
+    """The main job: start the stack, evaluate, train with GRPO, evaluate, write a report, stop."""
+    from services.config import ConfigError, load_run_config
+    from services.run_job import JobError, run_job
+    from services.supervisor import StackError
+
+    try:
+        run_config = load_run_config(config)
+    except ConfigError as e:
+        _fail(str(e))
+    try:
+        run_dir = run_job(config, run_config, runs_root)
+    except (JobError, StackError) as e:
+        _fail(f"tandem run failed: {e}", code=1)
+    typer.echo(str(run_dir))
+
+
+@app.command()
 def demo(
     steps: Annotated[int, typer.Option(help="Learner steps to simulate.")] = 12,
     max_staleness: Annotated[int, typer.Option("--max-staleness", help="eta, the staleness bound.")] = 1,
@@ -78,6 +103,171 @@ def demo(
     from services.demo import run_demo
 
     raise typer.Exit(run_demo(steps=steps, max_staleness=max_staleness, run_dir=run_dir))
+
+
+@app.command("bootstrap-model")
+def bootstrap_model(
+    out: Annotated[Path, typer.Option("--out", help="Model directory to write.")] = Path("runs/models/arith"),
+    data: Annotated[Path, typer.Option(help="Prompt set with answers to cold-start on.")] = Path("examples/arith/train.jsonl"),
+    steps: Annotated[int | None, typer.Option(help="Supervised steps (default: the recipe's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed (the build is deterministic).")] = 0,
+) -> None:
+    """Build the small example policy offline (random Qwen3 + a short supervised cold start)."""
+    from services.progress import progress_bar
+
+    from learner.bootstrap import SFT_STEPS, bootstrap
+
+    if not data.exists():
+        _fail(f"{data}: no such prompt set")
+    steps = steps or SFT_STEPS
+    with progress_bar("bootstrap SFT", total=steps) as update:
+        path = bootstrap(out, data, steps=steps, seed=seed, progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))
+    typer.echo(str(path))
+
+
+@app.command()
+def up(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config the stack serves.")] = None,
+    run_dir: Annotated[Path, typer.Option(help="Where logs, weights and Redis data go.")] = Path("runs/stack"),
+    only: Annotated[str | None, typer.Option(help="Comma-separated subset of services to start.")] = None,
+) -> None:
+    """Start embedded Redis and every service, supervise them until Ctrl-C."""
+    import json
+    import os
+    import signal
+
+    from services.settings import ServiceSettings
+    from services.supervisor import SERVICES, Stack, StackError
+
+    services = tuple(s.strip() for s in only.split(",")) if only else SERVICES
+    unknown = set(services) - set(SERVICES)
+    if unknown:
+        _fail(f"--only: unknown services {sorted(unknown)} (choose from {', '.join(SERVICES)})")
+    settings = ServiceSettings()
+    token = settings.token.get_secret_value() if settings.token else None
+    stack = Stack(run_dir, config=config, token=token, redis_url=settings.redis_url,
+                  services=tuple(s for s in SERVICES if s in services))
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
+    try:
+        stack.start()
+        info = stack.run_dir / "stack.json"
+        info.touch(mode=0o600)
+        info.write_text(json.dumps(
+            {"urls": {name: stack.url(name) for name in stack.children}, "token": stack.token, "pid": os.getpid()}
+        ))
+        urls = ", ".join(f"{name} {stack.url(name)}" for name in stack.children)
+        typer.secho(f"tandem is up: {urls} (token in {stack.run_dir / 'stack.json'})", fg=typer.colors.GREEN)
+        stack.supervise()
+    except StackError as e:
+        _fail(str(e), code=1)
+    except KeyboardInterrupt:
+        typer.echo("stopping ...")
+    finally:
+        stack.stop()
+
+
+def _control(url: str | None, run_dir: Path = Path("runs/stack")):
+    """A control-plane client: --url / TANDEM_CONTROL_URL, else the local stack's stack.json."""
+    import json
+    import os
+
+    from services.clients import ControlClient
+
+    token = os.environ.get("TANDEM_TOKEN")
+    info = run_dir / "stack.json"
+    if url is None and "TANDEM_CONTROL_URL" not in os.environ and info.exists():
+        stack = json.loads(info.read_text())
+        url, token = stack["urls"]["control"], token or stack["token"]
+    url = url or os.environ.get("TANDEM_CONTROL_URL", "http://127.0.0.1:8000")
+    return ControlClient(url, token, attempts=3)
+
+
+def _http_error(e) -> str:
+    import httpx
+
+    if isinstance(e, httpx.HTTPStatusError):
+        try:
+            body = e.response.json()
+            detail = body.get("message") or body.get("detail")
+        except ValueError:
+            detail = e.response.text
+        return f"{e.response.status_code} from {e.request.url.path}: {detail}"
+    return f"cannot reach the control plane: {e}"
+
+
+@app.command()
+def submit(
+    prompts: Annotated[Path, typer.Argument(help="Prompt set: JSON lines with 'prompt' and reward-spec fields.")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML).")],
+    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_CONTROL_URL or the local stack).")] = None,
+) -> None:
+    """Upload a prompt set and start a run on a control plane; print the run id."""
+    import asyncio
+
+    import httpx
+
+    from services.config import ConfigError, load_run_config
+
+    try:
+        run_config = load_run_config(config)
+    except ConfigError as e:
+        _fail(str(e))
+    if not prompts.exists():
+        _fail(f"{prompts}: no such file")
+
+    async def go():
+        async with _control(url) as client:
+            info = await client.upload_prompt_set(prompts.read_bytes(), run_config.reward.type)
+            created = await client.create_run(info.id, run_config.model_dump(mode="json"))
+            return info, created
+
+    try:
+        info, created = asyncio.run(go())
+    except httpx.HTTPError as e:
+        _fail(_http_error(e), code=1)
+    typer.echo(f"prompt set {info.id}: {info.count} prompts; run {created.run_id}: {created.groups} groups queued",
+               err=True)
+    typer.echo(created.run_id)
+
+
+@app.command()
+def status(
+    run_id: Annotated[str | None, typer.Argument(help="Run to show (default: every run).")] = None,
+    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_CONTROL_URL or the local stack).")] = None,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until the run ends.")] = False,
+) -> None:
+    """Show run progress: state, step, reward, accuracy, staleness, throughput."""
+    import asyncio
+    import time
+
+    import httpx
+    from rich.console import Console
+    from rich.live import Live
+
+    from services.report import runs_table, status_table
+
+    async def fetch():
+        async with _control(url) as client:
+            if run_id is None:
+                return runs_table(await client.runs())
+            st = await client.run_status(run_id)
+            return status_table(st), st.run.state in ("finished", "stopped", "failed")
+
+    try:
+        if run_id is None:
+            Console().print(asyncio.run(fetch()))
+            return
+        table, done = asyncio.run(fetch())
+        if not watch:
+            Console().print(table)
+            return
+        with Live(table, refresh_per_second=2) as live:
+            while not done:
+                time.sleep(2)
+                table, done = asyncio.run(fetch())
+                live.update(table)
+    except httpx.HTTPError as e:
+        _fail(_http_error(e), code=1)
 
 
 def main() -> None:

@@ -116,3 +116,40 @@ class RolloutClient(ServiceClient):
     async def load_weights(self, request: wire.LoadWeights) -> wire.WeightsStatus:
         resp = await self.request("POST", "/v1/weights", request)
         return wire.WeightsStatus.model_validate(resp.json())
+
+
+class ControlClient(ServiceClient):
+    async def upload_prompt_set(self, data: bytes, default_type: str = "math") -> wire.PromptSetInfo:
+        # a 4xx here names the bad line: no retry (the request is wrong)
+        resp = await self.http.post(
+            "/v1/prompt-sets", content=data, params={"default_type": default_type},
+            headers={"Content-Type": "application/x-ndjson"},
+        )
+        resp.raise_for_status()
+        return wire.PromptSetInfo.model_validate(resp.json())
+
+    async def create_run(self, prompt_set_id: str, config: dict | None) -> wire.RunCreated:
+        resp = await self.request("POST", "/v1/runs", wire.CreateRun(prompt_set_id=prompt_set_id, config=config))
+        return wire.RunCreated.model_validate(resp.json())
+
+    async def run_status(self, run_id: str) -> wire.RunStatus:
+        resp = await self.request("GET", f"/v1/runs/{run_id}")
+        return wire.RunStatus.model_validate(resp.json())
+
+    async def runs(self) -> list[wire.RunRecord]:
+        resp = await self.request("GET", "/v1/runs")
+        return [wire.RunRecord.model_validate(r) for r in resp.json()]
+
+    async def metrics(self, run_id: str) -> list[wire.MetricPoint]:
+        points, since = [], None
+        while True:
+            path = f"/v1/runs/{run_id}/metrics" + (f"?since={since}" if since else "")
+            page = wire.MetricsPage.model_validate((await self.request("GET", path)).json())
+            points += page.points
+            if page.next is None or not page.points:
+                return points
+            since = page.next
+
+    async def stop_run(self, run_id: str) -> wire.RunRecord:
+        resp = await self.request("POST", f"/v1/runs/{run_id}/stop")
+        return wire.RunRecord.model_validate(resp.json())

@@ -147,7 +147,7 @@ class LearnerConfig(Section):
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a resumable checkpoint every N steps (0 = only at the end)."""
     lora: LoraConfig | None = None
-    """Train a LoRA adapter instead of all weights (publishes merged weights)."""
+    """Train a LoRA adapter instead of all weights (published as ``publish.lora_format`` says)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)
     """Give up (fail the run) when no trajectory arrives for this long."""
 
@@ -169,6 +169,10 @@ class PublishConfig(Section):
     """Publish a new weight version every N optimizer steps."""
     keep: int = Field(default=3, ge=1)
     """Versions kept on disk (older ones are deleted once no rollout server uses them)."""
+    lora_format: Literal["merged", "adapter"] = "merged"
+    """With ``learner.lora``: publish full weights with the adapter merged in (what vLLM's in-place
+    ``reload_weights`` loads), or only the adapter in PEFT format (``adapter_model.safetensors`` +
+    ``adapter_config.json``; far fewer bytes, for a rollout engine that serves LoRA adapters)."""
 
 
 class EvalConfig(Section):
@@ -227,6 +231,8 @@ class RunConfig(Section):
             raise ValueError("learner.offload_params needs learner.zero_stage = 3")
         if self.learner.offload_optimizer and self.learner.zero_stage == 0:
             raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
+        if self.publish.lora_format == "adapter" and self.learner.lora is None:
+            raise ValueError("publish.lora_format = 'adapter' needs a [learner.lora] section")
         return self
 
     def resolve_paths(self, base: Path) -> RunConfig:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,14 +42,19 @@ class ServiceSettings(BaseSettings):
     """Reward server base URL."""
     learner_url: str = "http://127.0.0.1:8003"
     """Learner base URL."""
+    tokens: dict[str, list[Literal["read", "write"]]] = Field(default_factory=dict, repr=False)
+    """Extra bearer tokens with scopes (TANDEM_TOKENS, JSON: {"token": ["read"]}). "read" allows
+    GET/HEAD, "write" every other method; a token lacking the scope gets 403. TANDEM_TOKEN has both."""
     max_body_bytes: int = Field(default=64 << 20, ge=1024)
     """Requests larger than this get 413."""
+    max_prompt_set_bytes: int = Field(default=64 << 20, ge=1024)
+    """Control plane: prompt-set uploads larger than this get 413 (TANDEM_MAX_PROMPT_SET_BYTES)."""
     log_level: str = "info"
     """uvicorn log level."""
 
     def check_auth_safe(self) -> None:
         """Refuse to listen beyond loopback without a token."""
-        if self.token is not None:
+        if self.token is not None or self.tokens:
             return
         try:
             loopback = ipaddress.ip_address(self.host).is_loopback

@@ -15,6 +15,11 @@ Who sends what:
 - anyone -> rollout server ``POST /v1/generate``: :class:`GenerateRequest` -> :class:`GenerateResponse`
 - learner -> broker registry -> rollout servers: :class:`WeightVersion`
   (``POST /v1/weights``: :class:`LoadWeights` -> :class:`WeightsStatus`)
+- control plane <-> learner / rollout servers, through Redis (``services.runs``):
+  :class:`RunRecord` (the run registry) and :class:`MetricPoint` (its time series)
+- clients (``tandem submit/status``, the dashboard) -> control plane:
+  :class:`PromptSetInfo`, :class:`CreateRun` -> :class:`RunCreated`,
+  :class:`RunStatus`, :class:`MetricsPage`
 """
 
 from __future__ import annotations
@@ -275,8 +280,8 @@ FinishReason = Literal["stop", "length", "abort"]
 class GenerateRequest(Wire):
     """``POST /v1/generate``: exactly one of ``prompt`` and ``prompt_token_ids``."""
 
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt: str | None = Field(default=None, min_length=1)
+    prompt_token_ids: list[int] | None = Field(default=None, min_length=1)
     n: int = Field(default=1, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=10)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -397,6 +402,109 @@ class TrajectoryGroup(Wire):
         if self.policy_version != oldest:
             raise ValueError(f"policy_version {self.policy_version} is not the oldest sample's ({oldest})")
         return self
+
+
+# --------------------------------------------------------------------------
+# Runs and the control plane
+
+RunState = Literal["queued", "running", "finished", "stopped", "failed"]
+"""queued -> running -> finished | stopped | failed; queued -> stopped | failed."""
+TERMINAL_STATES = frozenset({"finished", "stopped", "failed"})
+
+
+class RunRecord(Wire):
+    """One run in the registry (``services.runs.RunStore``).
+
+    ``config`` is the validated ``RunConfig`` as JSON (``parse_run_config``
+    accepts it back). ``started_at`` is set on entering ``running``,
+    ``finished_at`` on entering a terminal state; ``error`` is non-empty only
+    for ``failed``. ``step`` and ``policy_version`` are the learner's.
+    """
+
+    run_id: str
+    state: RunState
+    prompt_set_id: str
+    config: dict
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str = ""
+    step: int = Field(default=0, ge=0)
+    policy_version: int = Field(default=0, ge=0)
+
+
+class MetricPoint(Wire):
+    """One entry of a run's metrics stream: ``values`` measured by ``source`` at learner ``step``.
+
+    ``id`` is the Redis stream id (time-ordered; pass it as ``since`` to read
+    only newer points); ``t`` is Unix time; every value is finite.
+    """
+
+    id: str
+    t: float
+    source: str
+    step: int = Field(ge=0)
+    values: dict[str, float]
+
+
+class MetricsPage(Wire):
+    """``GET /v1/runs/{id}/metrics``: points after ``since``, oldest first; ``next`` = last id read."""
+
+    run_id: str
+    points: list[MetricPoint]
+    next: str | None
+
+
+class PromptSetInfo(Wire):
+    """A stored prompt set: ``count`` lines, ``reward_types`` = lines per reward type
+    (``"default"`` for lines that name none and take the run config's)."""
+
+    id: str
+    count: int = Field(ge=1)
+    bytes: int = Field(ge=0)
+    created_at: float
+    reward_types: dict[str, int]
+
+
+class CreateRun(Wire):
+    """``POST /v1/runs``: ``config`` is a RunConfig as JSON; omitted = the control plane's own."""
+
+    prompt_set_id: str = Field(min_length=1, max_length=64)
+    config: dict | None = None
+
+
+class RunCreated(Wire):
+    run_id: str
+    groups: int = Field(ge=0, description="Prompt groups enqueued (epochs x prompt-set lines).")
+
+
+class Staleness(Wire):
+    max_staleness: int = Field(description="eta, the run's bound.")
+    max_observed_lag: float | None = Field(description="Largest v_learner - v of a trained group so far.")
+    stale_dropped: int
+    queued: int = Field(description="Groups generated and waiting for the learner.")
+    in_flight: int = Field(description="Groups admitted and being generated.")
+    backlog: int = Field(description="Prompt groups not yet taken by a rollout server.")
+
+
+class Throughput(Wire):
+    rollout_tokens_per_s: float | None
+    learner_tokens_per_s: float | None
+    rollout_idle_frac: float | None
+    learner_idle_frac: float | None
+
+
+class RunStatus(Wire):
+    """``GET /v1/runs/{id}``: the record plus the latest metrics and the broker's accounting."""
+
+    run: RunRecord
+    reward_mean: float | None
+    accuracy: float | None = Field(description="Latest held-out accuracy (0..1).")
+    accuracy_first: float | None = Field(description="First held-out accuracy measured (before training).")
+    weights_version: int | None = Field(description="Newest published weight version.")
+    staleness: Staleness
+    throughput: Throughput
+    counters: dict[str, int]
 
 
 # --------------------------------------------------------------------------

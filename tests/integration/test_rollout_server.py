@@ -171,17 +171,20 @@ async def test_over_capacity_is_503_with_retry_after(rollout_engine, serve_app):
 async def test_weight_reload_changes_outputs_and_tags(rollout_server, weight_versions, hf_logprobs):
     async with await _client(rollout_server) as c:
         before_v = await _version(c)
-        greedy = dict(prompt=PROMPT, n=1, max_tokens=32, temperature=0)
-        before = await _generate(c, **greedy)
+        # seeded sampling: same random draws, so different outputs mean different weights
+        # (greedy decoding is a poor probe on random tied-embedding models: it repeats the last token)
+        probe = dict(prompt=PROMPT, n=1, max_tokens=32, temperature=1.0, seed=11)
+        before = await _generate(c, **probe)
         req = weight_versions.make(seed=101)
         r = await c.post("/v1/weights", json=req.model_dump())
         assert r.status_code == 200, r.text
         assert r.json()["version"] == req.version > before_v
         assert r.json()["reload_s"] > 0
         assert await _version(c) == req.version
-        after = await _generate(c, **greedy)
+        after = await _generate(c, **probe)
         assert after.samples[0].policy_version == req.version
         assert after.samples[0].token_ids != before.samples[0].token_ids
+        assert after.samples[0].logprobs[0] != before.samples[0].logprobs[0]
         # the new weights are really in use: logprobs match HF on them (incl. the tied lm_head)
         _assert_matches_hf(hf_logprobs, weight_versions, after.prompt_token_ids, after.samples[0])
         # an older or equal version is a no-op, even with different weights
@@ -189,7 +192,7 @@ async def test_weight_reload_changes_outputs_and_tags(rollout_server, weight_ver
             stale = weight_versions.make(seed=102, version=v)
             r = await c.post("/v1/weights", json=stale.model_dump())
             assert r.status_code == 200 and r.json()["version"] == req.version
-        again = await _generate(c, **greedy)
+        again = await _generate(c, **probe)
         assert again.samples[0].token_ids == after.samples[0].token_ids
         metrics = (await c.get("/metrics")).text
         assert f"tandem_rollout_policy_version {float(req.version)}" in metrics
@@ -202,8 +205,8 @@ async def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(rollout_
 
     async with await _client(rollout_server) as c:
         v = await _version(c)
-        greedy = dict(prompt=PROMPT, n=1, max_tokens=24, temperature=0)
-        before = await _generate(c, **greedy)
+        probe = dict(prompt=PROMPT, n=1, max_tokens=24, temperature=1.0, seed=12)
+        before = await _generate(c, **probe)
         good = weight_versions.make(seed=103)
 
         # missing directory
@@ -228,8 +231,9 @@ async def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(rollout_
         assert r.status_code == 422, r.text
 
         assert await _version(c) == v
-        after = await _generate(c, **greedy)
+        after = await _generate(c, **probe)
         assert after.samples[0].token_ids == before.samples[0].token_ids
+        assert after.samples[0].logprobs == pytest.approx(before.samples[0].logprobs, abs=1e-5)
         assert after.samples[0].policy_version == v
         # and the good one still loads
         r = await c.post("/v1/weights", json=good.model_dump())

@@ -1,0 +1,101 @@
+"""The reward server's HTTP API: ``POST /v1/score`` and ``POST /v1/execute``.
+
+Rollout servers call ``/v1/score`` with the G completions of a group; anyone
+may call ``/v1/execute`` to run a program in the sandbox. Both go through the
+bounded execution queue (429 + Retry-After when full). Without a usable
+sandbox, code execution is refused (503 on ``/v1/execute``,
+``sandbox_error`` items in ``/v1/score``) unless ``unsafe_local`` is set;
+the choice is logged at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, FastAPI, Request
+from prometheus_client import CollectorRegistry
+
+from reward_server.execution import ExecQueue
+from reward_server.sandbox import choose
+from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, python_run
+from reward_server.settings import RewardSettings
+from reward_server.verifiers.judge import Judge
+from reward_server.verifiers.math import MathVerifier
+from reward_server.verifiers.scorer import Scorer, sandbox_jobs
+from services.app import ServiceError, create_app
+from services.wire import ExecuteRequest, ExecuteResult, ScoreRequest, ScoreResponse
+
+log = logging.getLogger("tandem.reward")
+router = APIRouter()
+
+
+def _scorer(request: Request) -> Scorer:
+    return request.app.state.scorer
+
+
+@router.post("/v1/score", response_model=ScoreResponse)
+async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
+    scorer = _scorer(request)
+    with scorer.queue.reserve(sum(sandbox_jobs(i.spec) for i in body.items)):
+        return ScoreResponse(results=await scorer.score_all(body.items))
+
+
+@router.post("/v1/execute", response_model=ExecuteResult)
+async def execute(body: ExecuteRequest, request: Request) -> ExecuteResult:
+    queue = _scorer(request).queue
+    if queue.sandbox is None:
+        raise ServiceError(503, f"code execution is disabled: {queue.why_no_sandbox}; "
+                                "set unsafe_local = true to run code without a sandbox")
+    files = {**body.files, "main.py": body.code}
+    with queue.reserve(1):
+        try:
+            (outcome,) = await queue.run(Job(files=files, runs=[python_run(queue.sandbox.python, stdin=body.stdin)],
+                                             limits=body.limits))
+        except SandboxUnavailable as e:
+            raise ServiceError(503, str(e)) from e
+        except SandboxError as e:
+            return ExecuteResult(status="sandbox_error", exit_code=None, stdout="", stderr=str(e)[:2000],
+                                 wall_s=0.0, cpu_s=0.0, truncated=False)
+    return ExecuteResult(status=outcome.status, exit_code=outcome.exit_code, stdout=outcome.stdout,
+                         stderr=outcome.stderr, wall_s=outcome.wall_s, cpu_s=outcome.cpu_s,
+                         truncated=outcome.truncated)
+
+
+def build_app(settings: RewardSettings, config=None) -> FastAPI:
+    """The reward server. ``config`` (a RunConfig) is accepted for ``tandem serve``; settings drive it."""
+    if not isinstance(settings, RewardSettings):
+        settings = RewardSettings(**settings.model_dump())
+    registry = CollectorRegistry()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        sandbox, what = choose(settings)
+        if sandbox is None:
+            log.warning("reward server: NO SANDBOX (%s); code execution is refused "
+                        "(set TANDEM_UNSAFE_LOCAL=true to run code unsandboxed)", what)
+        elif not sandbox.isolated:
+            log.warning("reward server: %s", what)
+        else:
+            log.info("reward server: code runs in %s", what)
+        queue = ExecQueue(sandbox, workers=settings.effective_workers, max_queued=settings.effective_max_queued,
+                          registry=registry, why_no_sandbox=what if sandbox is None else "")
+        math = MathVerifier(workers=settings.math_workers, timeout_s=settings.math_timeout_s)
+        key = settings.judge_api_key.get_secret_value() if settings.judge_api_key else None
+        judge = Judge(settings.judge_url, key, settings.judge_timeout_s)
+        app.state.scorer = Scorer(queue, math, judge, registry)
+        app.state.sandbox_description = what
+        if sandbox is not None:
+            await sandbox.start()
+        try:
+            yield
+        finally:
+            await judge.close()
+            await math.close()
+            if sandbox is not None:
+                await sandbox.close()
+
+    app = create_app("reward", settings, lifespan=lifespan, registry=registry)
+    app.include_router(router)
+    return app

@@ -1,0 +1,325 @@
+"""The in-sandbox supervisor: reads jobs, runs untrusted programs under limits, answers verdicts.
+
+Talks to tandem over its own stdin/stdout with frames (4-byte big-endian
+length, then JSON). A job is ``{"files": {path: text}, "runs": [{"argv",
+"stdin", "results"}], "limits": {...}}``; the answer is ``{"runs": [...]}``
+with one verdict per run (see :func:`run_one`).
+
+Modes:
+
+- ``--serve``: many jobs, one after the other (gVisor's long-lived sandbox).
+  The agent is PID 1 and root *inside* the sandbox; every job gets a fresh
+  uid, a fresh 0700 work dir, and after every run all processes but the
+  agent are killed, so nothing of one submission survives into the next.
+- ``--oneshot [BASE]``: one job in a work dir under BASE (default /tmp), then exit (bubblewrap: a fresh namespace per job;
+  Modal: one exec per job, a fresh uid when root).
+
+Stdlib only: this file runs on the sandbox's Python, not tandem's venv.
+"""
+
+import json
+import os
+import resource
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HEADER = struct.Struct(">I")
+MAX_FRAME = 512 << 20
+COMPILE_ERROR_EXIT = 97  # boot.py / harness.py: the program does not compile
+FIRST_UID = 20000
+CHUNK = 65536
+
+
+def read_frame(stream):
+    head = stream.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None  # tandem closed the pipe: shut down
+    (size,) = HEADER.unpack(head)
+    if size > MAX_FRAME:
+        raise ValueError("frame of %d bytes" % size)
+    body = stream.read(size)
+    if len(body) < size:
+        return None
+    return json.loads(body)
+
+
+def write_frame(stream, obj):
+    body = json.dumps(obj).encode()
+    stream.write(HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
+def make_limiter(limits, nproc_extra):
+    """Limits for the program; ``nproc_extra`` counts processes of the same uid that are not
+    the program's (bubblewrap: its monitor and this agent share the slot's uid)."""
+    memory = int(limits["memory_mb"]) << 20
+    cpu = max(1, int(limits["cpu_s"] + 0.999))
+
+    def apply():
+        # Runs in the child between fork and exec; only lowers limits.
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        nproc = int(limits["processes"]) + nproc_extra
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        size = int(limits["file_bytes"])
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return apply
+
+
+def other_pids():
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (me, 1)]
+
+
+def reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def sweep(uid):
+    """Kill every process the last run left behind, and reap them."""
+    for _ in range(200):
+        if os.getpid() == 1:
+            # PID 1 of the sandbox's PID namespace: kill(-1) reaches every other process.
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        elif uid is not None:
+            helper = os.fork()
+            if helper == 0:  # a helper with the job's uid kills everything that uid owns
+                try:
+                    os.setgid(uid)
+                    os.setuid(uid)
+                    os.kill(-1, signal.SIGKILL)
+                except OSError:
+                    pass
+                os._exit(0)
+            os.waitpid(helper, 0)
+        else:
+            return True  # neither PID 1 nor root: the process-group kill is all there is
+        reap()
+        left = other_pids() if os.getpid() == 1 else [p for p in other_pids() if owner(p) == uid]
+        if not left:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def owner(pid):
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
+
+
+def classify(code, sig, stderr, killed_for, cpu_s, limits):
+    tail = stderr[-4000:]
+    if killed_for == "output":
+        return "output_limit", "output over %d bytes" % limits["output_bytes"]
+    if killed_for == "wall":
+        return "timeout", "wall time over %.1f s" % limits["wall_s"]
+    if sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and cpu_s >= limits["cpu_s"] * 0.95):
+        return "timeout", "cpu time over %.1f s" % limits["cpu_s"]
+    if sig == signal.SIGXFSZ or "File too large" in tail:
+        return "output_limit", "file over %d bytes" % limits["file_bytes"]
+    if "MemoryError" in tail or "Cannot allocate memory" in tail or "memory allocation failed" in tail:
+        return "memory_limit", "address space over %d MB" % limits["memory_mb"]
+    if code == COMPILE_ERROR_EXIT:
+        return "compile_error", tail.strip().splitlines()[-1] if tail.strip() else ""
+    if sig is not None:
+        return "runtime_error", "killed by signal %d" % sig
+    if code != 0:
+        lines = tail.strip().splitlines()
+        return "runtime_error", lines[-1] if lines else "exit status %d" % code
+    return "ok", ""
+
+
+def run_one(run, limits, cwd, uid, env):
+    """Run one program; return its verdict dict."""
+    argv = [a.replace("{guest}", HERE) for a in run["argv"]]
+    results_r = results_w = None
+    if run.get("results"):
+        results_r, results_w = os.pipe()
+        argv = [a.replace("{results_fd}", str(results_w)) for a in argv]
+    as_user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=cwd, env=env, start_new_session=True, close_fds=True,
+        pass_fds=(results_w,) if results_w is not None else (),
+        preexec_fn=make_limiter(limits, 0 if uid is not None else 2), **as_user,
+    )
+    if results_w is not None:
+        os.close(results_w)
+    stdin = run.get("stdin", "").encode()
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    out = {out_fd: bytearray(), err_fd: bytearray()}
+    results = bytearray()
+    readers = list(out) + ([results_r] if results_r is not None else [])
+    writers = [proc.stdin.fileno()] if stdin else []
+    if not stdin:
+        proc.stdin.close()
+    cap = int(limits["output_bytes"])
+    deadline = start + float(limits["wall_s"])
+    killed_for = None
+    status = rusage = None
+    exited_at = None
+    written = 0
+    while True:
+        now = time.monotonic()
+        if status is None:
+            pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                status, rusage, exited_at = st, ru, now
+        if exited_at is not None and (not readers or now - exited_at > 0.1):
+            break  # exited; a leftover background process may hold the pipes open
+        if now >= deadline:
+            killed_for = "wall"
+            break
+        r, w, _ = select.select(readers, writers, [], min(0.02, deadline - now))
+        for fd in w:
+            try:
+                written += os.write(fd, stdin[written:written + CHUNK])
+            except (BrokenPipeError, BlockingIOError):
+                written = len(stdin)  # the program closed its stdin: stop feeding it
+            if written >= len(stdin):
+                writers.remove(fd)
+                proc.stdin.close()
+        for fd in r:
+            data = os.read(fd, CHUNK)
+            if not data:
+                readers.remove(fd)
+            elif fd == results_r:
+                results += data
+            else:
+                out[fd] += data
+        if len(out[out_fd]) + len(out[err_fd]) > cap:
+            killed_for = "output"
+            break
+    if status is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _, status, rusage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - start
+    clean = sweep(uid)
+    for fd in readers:  # whatever is still buffered (the writers are dead now)
+        sink = results if fd == results_r else out[fd]
+        while len(sink) <= cap and select.select([fd], [], [], 0)[0]:
+            data = os.read(fd, CHUNK)
+            if not data:
+                break
+            sink += data
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if not f.closed:
+            f.close()
+    if results_r is not None:
+        os.close(results_r)
+    stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
+    truncated = len(stdout) + len(stderr) > cap
+    stdout, stderr = stdout[:cap], stderr[: max(0, cap - len(stdout))]
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
+    cpu = rusage.ru_utime + rusage.ru_stime
+    err = stderr.decode("utf-8", "replace")
+    verdict, detail = classify(code, sig, err, killed_for, cpu, limits)
+    return {
+        "status": verdict, "detail": detail, "exit_code": code if code is not None else -(sig or 0),
+        "stdout": stdout.decode("utf-8", "replace"), "stderr": err,
+        "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "truncated": truncated,
+        "results": [json.loads(x) for x in bytes(results).decode("utf-8", "replace").splitlines() if x.startswith("{")]
+        if results_r is not None else None,
+        "clean": clean,
+    }
+
+
+def safe_path(root, rel):
+    path = os.path.normpath(os.path.join(root, rel))
+    if os.path.isabs(rel) or not path.startswith(root + os.sep):
+        raise ValueError("file path escapes the work dir: %r" % rel)
+    return path
+
+
+def run_job(job, serial, base):
+    root = os.geteuid() == 0
+    uid = FIRST_UID + serial % 40000 if root else None
+    cwd = os.path.join(base, "job%d" % serial)
+    os.makedirs(cwd, mode=0o700)
+    try:
+        for rel, text in job.get("files", {}).items():
+            path = safe_path(cwd, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        if root:
+            for d, dirs, files in os.walk(cwd):
+                for name in [d] + [os.path.join(d, x) for x in dirs + files]:
+                    os.chown(name, uid, uid)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+        return {"runs": [run_one(r, job["limits"], cwd, uid, env) for r in job["runs"]]}
+    finally:
+        shutil.rmtree(cwd, ignore_errors=True)  # rmtree does not follow the program's symlinks
+
+
+def harden():
+    """Make the sandbox's shared writable places private to the agent (serve mode, root)."""
+    if os.geteuid() != 0:
+        return
+    os.makedirs("/tmp/jobs", mode=0o711, exist_ok=True)
+    for path, mode in (("/tmp", 0o711), ("/tmp/jobs", 0o711), ("/dev/shm", 0o700), ("/dev/mqueue", 0o700)):
+        if os.path.isdir(path):
+            os.chmod(path, mode)
+
+
+def no_dumping():
+    # Programs of the agent's own uid (bubblewrap) must not ptrace it or read its fds.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except (ImportError, OSError, AttributeError):
+        pass
+
+
+def main():
+    mode = sys.argv[1] if len(sys.argv) > 1 else "--oneshot"
+    base = sys.argv[2] if len(sys.argv) > 2 else "/tmp"
+    no_dumping()
+    if mode == "--serve":
+        harden()
+        base = "/tmp/jobs"
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    serial = int(time.time() * 1000) % 100000 if mode == "--oneshot" else 0
+    while True:
+        job = read_frame(stdin)
+        if job is None:
+            return
+        try:
+            answer = run_job(job, serial, base)
+        except (OSError, ValueError, KeyError, subprocess.SubprocessError) as e:
+            answer = {"error": "%s: %s" % (type(e).__name__, e)}
+        write_frame(stdout, answer)
+        serial += 1
+        if mode == "--oneshot":
+            return
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Modal backend: jobs run in ``modal.Sandbox`` containers from a bounded warm pool.
+
+Each warm sandbox is created with ``block_network=True``, a CPU and memory
+reservation and a lifetime ``timeout``, from an image holding Python and
+tandem's guest code at ``/opt/tandem``. A job is one
+``sandbox.exec("python3", "-I", "/opt/tandem/agent.py", "--oneshot", ...)``:
+the frame goes to the exec's stdin, the verdict frame comes from its stdout.
+The agent is root in the container, so each job runs under a fresh uid in
+its own work dir and everything that uid started is killed afterwards.
+
+Modal reports an exec that outlived its ``timeout`` with ``returncode == -1``
+instead of raising; that is mapped to ``timeout``. Sandboxes are created at
+most ``spawns_per_s`` per second (the pool's rate limit) and replaced after
+``max_jobs`` jobs or any failure.
+
+Everything that talks to Modal goes through :class:`ModalApi`, so the
+request-building logic is unit-tested without the cloud.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from reward_server.sandbox.base import GUEST_MOUNT, HEADER, Job, RunOutcome, Sandbox, SandboxError, parse_answer
+from reward_server.sandbox.guest import GUEST_DIR
+from reward_server.sandbox.pool import Pool
+
+MODAL_PYTHON = "python3"
+EXEC_GRACE_S = 5
+
+
+@dataclass(frozen=True)
+class ModalOptions:
+    app_name: str = "tandem-reward"
+    pool: int = 4
+    cpu: float = 1.0
+    memory_mb: int = 1024
+    lifetime_s: int = 3600
+    idle_timeout_s: int = 600
+    spawns_per_s: float = 2.0
+    max_jobs: int = 500
+    python_version: str = "3.11"
+
+
+def sandbox_kwargs(options: ModalOptions) -> dict[str, Any]:
+    """Keyword arguments of ``modal.Sandbox.create`` (besides app and image)."""
+    return {
+        "block_network": True,
+        "cpu": options.cpu,
+        "memory": options.memory_mb,
+        "timeout": options.lifetime_s,
+        "idle_timeout": options.idle_timeout_s,
+        "workdir": "/tmp",
+    }
+
+
+def exec_args(job: Job) -> tuple[list[str], int]:
+    """The argv and timeout (whole seconds) of the exec that runs ``job``."""
+    return [MODAL_PYTHON, "-I", f"{GUEST_MOUNT}/agent.py", "--oneshot", "/tmp"], int(job.backstop_s()) + EXEC_GRACE_S
+
+
+def guest_files() -> dict[str, str]:
+    """Guest code for the image: sandbox path -> source."""
+    return {f"{GUEST_MOUNT}/{p.name}": p.read_text() for p in sorted(GUEST_DIR.glob("*.py"))}
+
+
+def outcome_of_exec(job: Job, returncode: int | None, stdout: bytes, stderr: str) -> list[RunOutcome]:
+    """Verdicts from a finished exec: its returncode and raw stdout."""
+    if returncode == -1:  # Modal: the exec hit its timeout (it does not raise)
+        return [RunOutcome(status="timeout", detail="modal exec timed out", exit_code=None, stdout="",
+                           stderr="", wall_s=job.backstop_s(), cpu_s=0.0, truncated=False) for _ in job.runs]
+    if len(stdout) < HEADER.size:
+        raise SandboxError(f"modal exec returned {returncode} without an answer: {stderr[-300:]}")
+    (size,) = struct.unpack(">I", stdout[: HEADER.size])
+    body = stdout[HEADER.size : HEADER.size + size]
+    if len(body) < size:
+        raise SandboxError("modal exec answer cut short")
+    return parse_answer(body, job)
+
+
+class ModalApi:
+    """The thin layer over the ``modal`` package (async interface)."""
+
+    def __init__(self, options: ModalOptions) -> None:
+        import modal
+
+        self.modal = modal
+        self.options = options
+        self.errors: tuple[type[BaseException], ...] = (modal.exception.Error,)
+        self._app = None
+        self._image = None
+
+    async def create(self) -> Any:
+        modal = self.modal
+        if self._app is None:
+            self._app = await modal.App.lookup.aio(self.options.app_name, create_if_missing=True)
+            image = modal.Image.debian_slim(python_version=self.options.python_version)
+            # The guest code travels inside the image (written by a build step, not a host mount).
+            for path, source in guest_files().items():
+                encoded = base64.b64encode(source.encode()).decode()
+                image = image.run_commands(f"mkdir -p {GUEST_MOUNT} && echo {encoded} | base64 -d > {path}")
+            self._image = image
+        return await modal.Sandbox.create.aio(app=self._app, image=self._image, **sandbox_kwargs(self.options))
+
+    async def run(self, sandbox: Any, job: Job) -> list[RunOutcome]:
+        argv, timeout = exec_args(job)
+        proc = await sandbox.exec.aio(*argv, timeout=timeout, text=False)
+        proc.stdin.write(job.frame())
+        proc.stdin.write_eof()
+        await proc.stdin.drain.aio()
+        stdout = await proc.stdout.read.aio()
+        stderr = await proc.stderr.read.aio()
+        returncode = await proc.wait.aio()
+        return outcome_of_exec(job, returncode, stdout, stderr.decode(errors="replace"))
+
+    async def terminate(self, sandbox: Any) -> None:
+        await sandbox.terminate.aio()
+
+
+class ModalSandbox(Sandbox):
+    name = "modal"
+    python = MODAL_PYTHON
+
+    def __init__(self, options: ModalOptions, api: Any | None = None) -> None:
+        self.options = options
+        self.api = api if api is not None else ModalApi(options)
+        self.pool: Pool[Any] = Pool(self.api.create, self.api.terminate, size=options.pool,
+                                    max_uses=options.max_jobs, min_spawn_interval_s=1.0 / options.spawns_per_s)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def run(self, job: Job) -> list[RunOutcome]:
+        async with self.pool.lease() as lease:
+            try:
+                outcomes = await self.api.run(lease.item, job)
+            except SandboxError:
+                lease.discard()
+                raise
+            except (OSError, TimeoutError, *self.api.errors) as e:  # Modal's and transport errors
+                lease.discard()
+                raise SandboxError(f"modal sandbox failed: {e!r}") from e
+            if any(o.status == "timeout" for o in outcomes):
+                lease.discard()  # a program that ran out its time may have left work behind
+            return outcomes
+
+    async def close(self) -> None:
+        await self.pool.close()

@@ -1,0 +1,137 @@
+"""A bounded warm pool of sandboxes: lease one, use it, give it back or have it replaced.
+
+Used by the gVisor backend (long-lived ``runsc`` sandboxes) and the Modal
+backend (``modal.Sandbox`` objects). An item is replaced, in the
+background, after ``max_uses`` leases, when its user discards it (it
+misbehaved) or when it reports ``alive == False``. Creation is
+rate-limited (``min_spawn_interval_s``) so a burst of failures cannot turn
+into a burst of sandbox creations, and a failed creation is retried with
+back-off instead of failing requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Generic, TypeVar
+
+from reward_server.sandbox.base import SandboxError
+
+T = TypeVar("T")
+log = logging.getLogger("tandem.reward.pool")
+
+
+class Lease(Generic[T]):
+    def __init__(self, item: T) -> None:
+        self.item = item
+        self.discarded = False
+
+    def discard(self) -> None:
+        """Do not reuse this item: destroy it and start a replacement."""
+        self.discarded = True
+
+
+class Pool(Generic[T]):
+    def __init__(
+        self,
+        spawn: Callable[[], Awaitable[T]],
+        destroy: Callable[[T], Awaitable[None]],
+        *,
+        size: int,
+        max_uses: int,
+        min_spawn_interval_s: float = 0.0,
+        spawn_timeout_s: float = 120.0,
+    ) -> None:
+        self._spawn_fn, self._destroy = spawn, destroy
+        self.size, self.max_uses = size, max_uses
+        self.min_spawn_interval_s, self.spawn_timeout_s = min_spawn_interval_s, spawn_timeout_s
+        self._idle: asyncio.Queue[T] = asyncio.Queue()
+        self._uses: dict[int, int] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._spawn_lock = asyncio.Lock()
+        self._last_spawn = 0.0
+        self._started = False
+        self._closed = False
+        self.spawned = 0
+        self.live = 0
+
+    async def _spawn(self) -> T:
+        async with self._spawn_lock:  # the creation rate limit
+            wait = self._last_spawn + self.min_spawn_interval_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._last_spawn = time.monotonic()
+        item = await asyncio.wait_for(self._spawn_fn(), self.spawn_timeout_s)
+        self._uses[id(item)] = 0
+        self.spawned += 1
+        self.live += 1
+        return item
+
+    async def start(self) -> None:
+        """Create the pool's items; raise SandboxError if the first one cannot be created."""
+        if self._started:
+            return
+        self._started = True
+        first = await self._spawn()
+        self._idle.put_nowait(first)
+        for _ in range(self.size - 1):
+            self._background(self._refill())
+
+    def _background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retire(self, item: T) -> None:
+        self._uses.pop(id(item), None)
+        self.live -= 1
+        try:
+            await self._destroy(item)
+        except (OSError, SandboxError) as e:  # a sandbox that will not die is logged; the pool goes on
+            log.error("could not destroy a sandbox: %s", e)
+
+    async def _refill(self) -> None:
+        delay = 0.5
+        while not self._closed:
+            try:
+                self._idle.put_nowait(await self._spawn())
+                return
+            except (OSError, SandboxError, TimeoutError) as e:
+                log.error("could not start a sandbox (retrying in %.1f s): %s", delay, e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+    @contextlib.asynccontextmanager
+    async def lease(self) -> AsyncIterator[Lease[T]]:
+        if self._closed:
+            raise SandboxError("sandbox pool is closed")
+        if not self._started:
+            await self.start()
+        lease = Lease(await self._idle.get())
+        try:
+            yield lease
+        finally:
+            item = lease.item
+            uses = self._uses.get(id(item), 0) + 1
+            self._uses[id(item)] = uses
+            if self._closed:
+                await self._retire(item)
+            elif lease.discarded or uses >= self.max_uses or not getattr(item, "alive", True):
+                self._background(self._replace(item))
+            else:
+                self._idle.put_nowait(item)
+
+    async def _replace(self, item: T) -> None:
+        await self._retire(item)
+        await self._refill()
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        while not self._idle.empty():
+            await self._retire(self._idle.get_nowait())

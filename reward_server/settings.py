@@ -1,0 +1,57 @@
+"""Reward-server settings: ``TANDEM_*`` environment variables on top of the service kit's."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, SecretStr
+
+from services.settings import ServiceSettings
+
+
+class RewardSettings(ServiceSettings):
+    sandbox: Literal["auto", "gvisor", "bwrap", "modal", "none"] = "auto"
+    """Code sandbox (TANDEM_SANDBOX): auto = gVisor when runsc works, else bubblewrap, else none."""
+    unsafe_local: bool = False
+    """Run code on the host without a sandbox when none is usable (TANDEM_UNSAFE_LOCAL). Never in production."""
+    workers: int = Field(default=0, ge=0)
+    """Programs run at once (0 = one per CPU core)."""
+    max_queued: int = Field(default=0, ge=0)
+    """Sandbox jobs admitted (running + waiting) before 429 (0 = 8 per worker)."""
+    sandbox_python: str = "/usr/bin/python3"
+    """Host interpreter whose runtime (binary, stdlib, shared libraries) is mounted into sandboxes."""
+    max_jobs_per_sandbox: int = Field(default=500, ge=1)
+    """gVisor/Modal: jobs one warm sandbox serves before it is replaced."""
+    runsc: str = "runsc"
+    """The gVisor runtime binary."""
+    bwrap: str = "bwrap"
+    """The bubblewrap binary."""
+    math_workers: int = Field(default=1, ge=1)
+    """math-verify worker processes."""
+    math_timeout_s: float = Field(default=5.0, gt=0)
+    """Longest one math-verify comparison may take before its worker is killed."""
+    judge_url: str | None = None
+    """Default OpenAI-compatible judge endpoint for judge specs without a url."""
+    judge_api_key: SecretStr | None = None
+    """Bearer token for the judge endpoint."""
+    judge_timeout_s: float = Field(default=60.0, gt=0)
+    """Per-request timeout of judge calls."""
+    modal_app: str = "tandem-reward"
+    """Modal app the sandboxes belong to (created if missing)."""
+    modal_pool: int = Field(default=4, ge=1)
+    """Warm Modal sandboxes kept."""
+    modal_cpu: float = Field(default=1.0, gt=0)
+    """CPU cores per Modal sandbox."""
+    modal_memory_mb: int = Field(default=1024, ge=128)
+    """Memory per Modal sandbox."""
+    modal_spawns_per_s: float = Field(default=2.0, gt=0)
+    """Creation rate limit for Modal sandboxes."""
+
+    @property
+    def effective_workers(self) -> int:
+        return self.workers or os.cpu_count() or 1
+
+    @property
+    def effective_max_queued(self) -> int:
+        return self.max_queued or 8 * self.effective_workers

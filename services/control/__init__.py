@@ -1,0 +1,29 @@
+"""The control plane: ``tandem serve control``.
+
+REST API (``app``), prompt-set validation and storage (``prompt_sets``), the
+prompt groups a run enqueues (``groups``) and the browser dashboard
+(``dashboard``). The run registry it shares with the learner and rollout
+servers is ``services.runs``.
+"""
+
+from __future__ import annotations
+
+from services.config import RunConfig
+from services.settings import ServiceSettings
+
+
+def build_app(settings: ServiceSettings, config: RunConfig | None = None):
+    """The control plane's FastAPI app (see ``services.control.app.build_app``)."""
+    from services.control.app import build_app as _build
+
+    return _build(settings, config)
+
+
+def serve(settings: ServiceSettings, config: RunConfig | None = None) -> None:
+    """Run the control plane in the foreground (``tandem serve control``)."""
+    from services.app import serve as _serve
+
+    _serve(build_app(settings, config), settings)
+
+
+__all__ = ["build_app", "serve"]

@@ -1,0 +1,255 @@
+"""The control plane's REST API (ARCHITECTURE.md section 4).
+
+Who talks to whom: users and ``tandem submit/status`` call these routes;
+the control plane stores prompt sets and runs in Redis and enqueues prompt
+groups on the run's ``prompts`` stream. It never calls the other services:
+the learner and rollout servers find the active run in the registry
+(``services.runs``) and report progress and metrics there, which the
+status, metrics and dashboard routes read back.
+
+Errors map to statuses in one place (:func:`_errors`): unknown prompt set or
+run 404, a second active run or an impossible transition 409, bad input 422
+(naming the line or field), uploads over ``max_prompt_set_bytes`` 413.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+import redis.asyncio as aioredis
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
+
+from broker import Admission, Keys, Stream, WeightRegistry, connect
+from broker.embedded import EmbeddedRedis
+from services.app import ServiceError, create_app
+from services.config import ConfigError, RunConfig, parse_run_config
+from services.control.dashboard import router as dashboard_router
+from services.control.groups import build_groups, enqueue
+from services.control.prompt_sets import LineError, LineParser, PromptSetStore
+from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
+from services.settings import ServiceSettings
+from services.wire import (
+    REWARD_TYPES,
+    CreateRun,
+    MetricsPage,
+    PromptSetInfo,
+    RunCreated,
+    RunRecord,
+    RunStatus,
+    Staleness,
+    Throughput,
+)
+
+PROMPT_SETS_PATH = "/v1/prompt-sets"
+UPLOAD_TYPES = ("application/x-ndjson", "application/jsonl", "application/json", "text/plain", "application/octet-stream")
+
+router = APIRouter(prefix="/v1")
+
+
+def _state(request: Request):
+    return request.app.state
+
+
+def new_run_id(name: str) -> str:
+    return f"{name[:40]}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+@router.post(
+    "/prompt-sets",
+    status_code=201,
+    response_model=PromptSetInfo,
+    summary="Upload a prompt set (JSON lines)",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {t: {"schema": {"type": "string"}} for t in ("application/x-ndjson", "text/plain")},
+            "description": 'One JSON object a line: {"prompt": str, "type": <reward type>, ...spec fields}.',
+        }
+    },
+)
+async def upload_prompt_set(
+    request: Request,
+    default_type: Annotated[str, Query(description="Reward type untyped lines are checked against.")] = "math",
+) -> PromptSetInfo:
+    """Validate line by line (422 names each bad line and field), then store all lines or none."""
+    if default_type not in REWARD_TYPES or default_type == "combined":
+        raise ServiceError(422, f"default_type: unknown reward type {default_type!r}")
+    content_type = request.headers.get("content-type", "application/x-ndjson").split(";")[0].strip().lower()
+    if content_type not in UPLOAD_TYPES:
+        raise ServiceError(415, f"send JSON lines as application/x-ndjson, not {content_type}")
+    if request.headers.get("content-encoding", "identity").lower() != "identity":
+        raise ServiceError(415, "send the prompt set uncompressed (no Content-Encoding)")
+    parser = LineParser(default_type)
+    try:
+        async for chunk in request.stream():
+            parser.feed(chunk)
+        lines = parser.finish()
+    except LineError as e:
+        raise ServiceError(422, str(e), errors=e.errors) from None
+    return await _state(request).prompt_sets.save(lines, parser.nbytes, parser.types)
+
+
+@router.get("/prompt-sets/{set_id}", response_model=PromptSetInfo, summary="A stored prompt set's meta")
+async def get_prompt_set(set_id: str, request: Request) -> PromptSetInfo:
+    info = await _state(request).prompt_sets.info(set_id)
+    if info is None:
+        raise ServiceError(404, f"no prompt set {set_id}")
+    return info
+
+
+@router.post("/runs", status_code=201, response_model=RunCreated, summary="Start a run")
+async def create_run(body: CreateRun, request: Request) -> RunCreated:
+    """Validate everything, then register the run (409 while another is active) and enqueue its groups."""
+    state = _state(request)
+    raw = body.config if body.config is not None else state.default_config
+    if raw is None:
+        raise ServiceError(422, "config: field required (this control plane has no default run config)")
+    config = parse_run_config(raw, "config")
+    if await state.prompt_sets.info(body.prompt_set_id) is None:
+        raise ServiceError(404, f"no prompt set {body.prompt_set_id}")
+    lines = await state.prompt_sets.lines(body.prompt_set_id)
+    run_id = new_run_id(config.name)
+    try:
+        groups = build_groups(run_id, lines, config)
+    except LineError as e:
+        raise ServiceError(422, f"prompt set {body.prompt_set_id} under this config: {e}", errors=e.errors) from None
+    await state.runs.create(run_id, body.prompt_set_id, config.model_dump(mode="json"))
+    try:
+        count = await enqueue(state.redis, Keys(run_id), groups)
+    except RedisError as e:
+        await state.runs.set_state(run_id, "failed", error=f"enqueue failed: {e}")
+        raise ServiceError(503, f"could not enqueue the run's prompt groups: {e}", retry_after=5) from None
+    return RunCreated(run_id=run_id, groups=count)
+
+
+@router.get("/runs", response_model=list[RunRecord], summary="Runs, newest first")
+async def list_runs(request: Request, limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[RunRecord]:
+    return await _state(request).runs.list(limit)
+
+
+@router.get("/runs/{run_id}", response_model=RunStatus, summary="A run's state, progress, staleness, throughput")
+async def run_status(run_id: str, request: Request) -> RunStatus:
+    state = _state(request)
+    run = await state.runs.get(run_id)
+    keys = Keys(run_id)
+    config = RunConfig.model_validate(run.config)
+    summary = await MetricsLog(state.redis, keys).summary()
+    last, first, peak = summary["last"], summary["first"], summary["max"]
+    counters = {k.decode(): int(v) for k, v in (await state.redis.hgetall(keys.counters)).items()}
+    admission = Admission(
+        state.redis, keys, max_staleness=config.staleness.max_staleness, groups_per_step=config.learner.groups_per_step
+    )
+    counts = await admission.counts()
+    prompts = Stream.prompts(state.redis, keys)
+    latest = await WeightRegistry(state.redis, keys).latest()
+    return RunStatus(
+        run=run,
+        reward_mean=last.get("reward_mean"),
+        accuracy=last.get("accuracy"),
+        accuracy_first=first.get("accuracy"),
+        weights_version=latest.version if latest else None,
+        staleness=Staleness(
+            max_staleness=config.staleness.max_staleness,
+            max_observed_lag=peak.get("lag_max"),
+            stale_dropped=counters.get("stale_dropped", 0),
+            queued=counts["queued"],
+            in_flight=counts["in_flight"],
+            backlog=max(0, await prompts.backlog() - await prompts.pending()),
+        ),
+        throughput=Throughput(
+            rollout_tokens_per_s=last.get("rollout_tokens_per_s"),
+            learner_tokens_per_s=last.get("learner_tokens_per_s"),
+            rollout_idle_frac=last.get("rollout_idle_frac"),
+            learner_idle_frac=last.get("learner_idle_frac"),
+        ),
+        counters=counters,
+    )
+
+
+@router.get("/runs/{run_id}/metrics", response_model=MetricsPage, summary="A run's metrics time series")
+async def run_metrics(
+    run_id: str,
+    request: Request,
+    since: Annotated[str | None, Query(description="Only points after this id (a previous page's `next`).")] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+) -> MetricsPage:
+    state = _state(request)
+    await state.runs.get(run_id)
+    try:
+        points = await MetricsLog(state.redis, Keys(run_id)).read(since, limit)
+    except ValueError as e:
+        raise ServiceError(422, f"since: {e}") from None
+    return MetricsPage(run_id=run_id, points=points, next=points[-1].id if points else since)
+
+
+@router.post("/runs/{run_id}/stop", response_model=RunRecord, summary="Stop a queued or running run")
+async def stop_run(run_id: str, request: Request) -> RunRecord:
+    return await _state(request).runs.stop(run_id)
+
+
+def _errors(app: FastAPI) -> None:
+    """Domain errors -> HTTP statuses, in one place."""
+
+    @app.exception_handler(UnknownRun)
+    async def _unknown(_r, e: UnknownRun) -> JSONResponse:
+        return JSONResponse(status_code=404, content={"detail": f"no run {e.args[0]}"})
+
+    @app.exception_handler(RunConflict)
+    async def _conflict(_r, e: RunConflict) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": str(e), "active_run": e.active_id})
+
+    @app.exception_handler(TransitionError)
+    async def _transition(_r, e: TransitionError) -> JSONResponse:
+        return JSONResponse(status_code=409, content={"detail": str(e)})
+
+    @app.exception_handler(ConfigError)
+    async def _config(_r, e: ConfigError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"detail": str(e)})
+
+
+def build_app(settings: ServiceSettings, config: RunConfig | None = None) -> FastAPI:
+    """The control plane. Uses ``settings.redis_url``, else an embedded Redis in ``run_dir/redis``.
+
+    ``config`` (``tandem serve control --config``) is the run config used
+    when ``POST /v1/runs`` omits one.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        embedded = None if settings.redis_url else EmbeddedRedis(settings.run_dir / "redis").start()
+        redis: aioredis.Redis = connect(settings.redis_url or embedded.url)
+        app.state.redis = redis
+        app.state.runs = RunStore(redis)
+        app.state.prompt_sets = PromptSetStore(redis)
+        try:
+            yield
+        finally:
+            await redis.aclose()
+            if embedded is not None:
+                embedded.stop()
+
+    async def health() -> bool:
+        try:
+            return bool(await app.state.redis.ping())
+        except (RedisError, AttributeError, OSError):
+            return False
+
+    limit = max(settings.max_prompt_set_bytes, 1024)
+    app = create_app(
+        "tandem control plane",
+        settings,
+        lifespan=lifespan,
+        health=health,
+        body_limits={PROMPT_SETS_PATH: limit},
+        cookie_login_path="/",
+    )
+    app.state.default_config = config.model_dump(mode="json") if config is not None else None
+    _errors(app)
+    app.include_router(router)
+    app.include_router(dashboard_router)
+    return app

@@ -1,0 +1,101 @@
+"""The prompt groups a run trains on: prompt-set lines x epochs, enqueued at run start.
+
+Who talks to whom: ``POST /v1/runs`` turns the stored prompt-set lines
+(``services.control.prompt_sets``) into :class:`services.wire.PromptGroup`
+entries here and appends them to the run's ``prompts`` stream, which rollout
+servers read under admission control. The learner's consumer group on the
+``trajectories`` stream is created at the same time, so nothing a rollout
+server produces is missed.
+
+Order: epoch by epoch; within epoch ``e`` the lines are shuffled by
+``random.Random(data.shuffle_seed * 1_000_003 + e)`` (file order when
+``shuffle_seed`` is None). ``group_id`` is ``e{epoch}-{line index}``: unique
+in the run and stable across redeliveries. Lines that name no reward type
+take ``reward.type`` and ``reward.extract`` from the run config; when
+``reward.format_weight > 0`` every spec ``S`` becomes
+``combined(1.0 x S, format_weight x regex(<answer>...</answer>))``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from broker import Envelope, Keys, Stream
+from broker.streams import NO_VERSION
+from services.config import RunConfig
+from services.control.prompt_sets import SPEC, LineError, spec_errors
+from services.wire import CombinedSpec, PromptGroup, RegexSpec, WeightedSpec, encode
+
+ANSWER_TAG = r"<answer>.*?</answer>"
+"""The format reward's pattern (the answer tag is present)."""
+
+EXTRACTING = frozenset({"math", "exact", "numeric"})
+
+
+def line_specs(lines: list[dict], config: RunConfig) -> list:
+    """The reward spec of every line under ``config``; raises :class:`LineError` (1-based line numbers)."""
+    specs, errors = [], []
+    for i, line in enumerate(lines, start=1):
+        if "spec" in line:
+            raw = line["spec"]
+        else:
+            raw = {"type": config.reward.type, **line["fields"]}
+            if config.reward.type in EXTRACTING and "extract" not in raw:
+                raw["extract"] = config.reward.extract
+        try:
+            spec = SPEC.validate_python(raw)
+        except ValidationError as e:
+            errors += spec_errors(e, i)
+            continue
+        if config.reward.format_weight > 0:
+            spec = CombinedSpec(
+                parts=[
+                    WeightedSpec(weight=1.0, spec=spec),
+                    WeightedSpec(weight=config.reward.format_weight, spec=RegexSpec(pattern=ANSWER_TAG)),
+                ]
+            )
+        specs.append(spec)
+    if errors:
+        raise LineError(errors)
+    return specs
+
+
+def epoch_order(count: int, epoch: int, shuffle_seed: int | None) -> list[int]:
+    """Line indices (0-based) in the order epoch ``epoch`` visits them."""
+    order = list(range(count))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def build_groups(run_id: str, lines: list[dict], config: RunConfig) -> list[PromptGroup]:
+    """Every prompt group of the run, in enqueue order."""
+    specs = line_specs(lines, config)
+    groups = []
+    for epoch in range(config.data.epochs):
+        for index in epoch_order(len(lines), epoch, config.data.shuffle_seed):
+            groups.append(
+                PromptGroup(
+                    run_id=run_id,
+                    group_id=f"e{epoch}-{index}",
+                    prompt=lines[index]["prompt"],
+                    spec=specs[index],
+                    n=config.sampling.group_size,
+                    index=index,
+                    epoch=epoch,
+                )
+            )
+    return groups
+
+
+async def enqueue(redis: aioredis.Redis, keys: Keys, groups: list[PromptGroup], batch: int = 2000) -> int:
+    """Create both streams' consumer groups and append ``groups`` to the prompts stream."""
+    prompts = Stream.prompts(redis, keys)
+    await prompts.ensure_group()
+    await Stream.trajectories(redis, keys).ensure_group()
+    for i in range(0, len(groups), batch):
+        await prompts.add_many([Envelope(g.group_id, NO_VERSION, encode(g)) for g in groups[i : i + batch]])
+    return len(groups)

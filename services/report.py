@@ -1,0 +1,91 @@
+"""Run reports: rich tables for the CLI, PNG plots and summary.json for a run directory.
+
+The plots are the dashboard's charts (``services.runs.CHARTS``), drawn with
+matplotlib (imported only when a report is written).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from rich.table import Table
+
+from services import wire
+from services.runs import CHARTS
+
+
+def _fmt(x: float | int | None, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if pct else (f"{x:.3g}" if isinstance(x, float) else str(x))
+
+
+def runs_table(runs: list[wire.RunRecord]) -> Table:
+    table = Table("run", "state", "step", "version", "prompt set", title="runs")
+    for r in runs:
+        table.add_row(r.run_id, r.state, str(r.step), str(r.policy_version), r.prompt_set_id)
+    return table
+
+
+def status_table(st: wire.RunStatus) -> Table:
+    r, s, t = st.run, st.staleness, st.throughput
+    table = Table("", "", title=f"run {r.run_id}", show_header=False)
+    rows = [
+        ("state", r.state + (f" ({r.error})" if r.error else "")),
+        ("step / policy version", f"{r.step} / {r.policy_version}"),
+        ("reward (mean)", _fmt(st.reward_mean)),
+        ("held-out accuracy (first -> latest)", f"{_fmt(st.accuracy_first, True)} -> {_fmt(st.accuracy, True)}"),
+        ("staleness eta / max observed lag", f"{s.max_staleness} / {_fmt(s.max_observed_lag)}"),
+        ("stale dropped", str(s.stale_dropped)),
+        ("queued / in flight / backlog", f"{s.queued} / {s.in_flight} / {s.backlog}"),
+        ("rollout / learner tokens/s", f"{_fmt(t.rollout_tokens_per_s)} / {_fmt(t.learner_tokens_per_s)}"),
+        ("rollout / learner idle", f"{_fmt(t.rollout_idle_frac, True)} / {_fmt(t.learner_idle_frac, True)}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    return table
+
+
+def series(points: list[wire.MetricPoint]) -> dict[str, list[tuple[int, float]]]:
+    """Metric name -> [(step, value)] in arrival order, over every source."""
+    out: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for p in points:
+        for name, value in p.values.items():
+            out[name].append((p.step, value))
+    return out
+
+
+def write_plots(points: list[wire.MetricPoint], out_dir: Path) -> list[Path]:
+    """One PNG per dashboard chart that has data; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = series(points)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for chart_id, (title, names) in CHARTS.items():
+        present = [n for n in names if data.get(n)]
+        if not present:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=110)
+        for name in present:
+            xs, ys = zip(*sorted(data[name]), strict=True)
+            ax.plot(xs, ys, marker="o", markersize=3, label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{chart_id}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

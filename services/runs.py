@@ -1,0 +1,327 @@
+"""The run registry and each run's metrics time series, in Redis.
+
+Who talks to whom: the control plane creates runs (``POST /v1/runs``) and
+stops them; the learner drives their lifecycle and, with the rollout
+servers and the evaluator, appends metrics; the control plane and its
+dashboard read both. Nobody calls anybody: they share these Redis keys
+(names in ``broker.keys``). Light module: no torch.
+
+Lifecycle (one active run per stack; ``queued`` and ``running`` are active)::
+
+    queued --> running --> finished | stopped | failed
+    queued --> stopped | failed
+
+How the services use it::
+
+    store = RunStore(redis)
+    run = await store.active()                  # learner polls: the run to work on, or None
+    await store.set_state(run.run_id, "running")    # learner, once its engine is up
+    config = parse_run_config(run.config)        # the run's RunConfig
+    await store.update(run.run_id, step=12, policy_version=12)
+    await MetricsLog(redis, Keys(run.run_id)).append("learner", 12, reward_mean=0.4, kl=0.01)
+    await store.set_state(run.run_id, "finished")   # or "failed", error="..."
+    if not await store.is_live(run_id): ...       # everyone: stop working once stopped/finished
+
+The control plane has already enqueued the run's prompt groups on
+``Stream.prompts(redis, Keys(run_id))`` and created the ``rollout`` and
+``learner`` consumer groups when the run appears as ``queued``.
+``POST /v1/runs/{id}/stop`` calls :meth:`RunStore.stop`: the run becomes
+``stopped`` and services polling :meth:`RunStore.is_live` let it go.
+
+Metric points: ``source`` is ``"learner"``, ``"rollout:<server id>"`` or
+``"eval"``; ``step`` is the learner step the values belong to (a rollout
+server uses the policy version it serves); names are those of
+:data:`METRICS` (others are stored too). ``GET /v1/runs/{id}`` reports the
+latest value of each, the first ``accuracy`` and the largest ``lag_max``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from broker.keys import ACTIVE_RUN, RUNS, Keys
+from services.wire import TERMINAL_STATES, MetricPoint, RunRecord, RunState
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "queued": frozenset({"running", "stopped", "failed"}),
+    # running -> running: a restarted learner resumes its run
+    "running": frozenset({"running", "finished", "stopped", "failed"}),
+}
+LIVE_STATES = frozenset({"queued", "running"})
+
+METRICS: dict[str, str] = {
+    "reward_mean": "mean reward of the samples trained at this step",
+    "accuracy": "held-out accuracy, 0..1 (greedy unless eval.temperature > 0)",
+    "loss": "the GRPO loss of the step",
+    "kl": "KL to the reference policy (k1/k3 estimate)",
+    "entropy": "mean token entropy of the trained samples",
+    "lag_max": "largest v_learner - v among the groups trained at this step",
+    "lag_mean": "mean v_learner - v of the groups trained at this step",
+    "stale_dropped": "groups dropped as too stale so far (cumulative)",
+    "rollout_tokens_per_s": "tokens generated per second (rollout side)",
+    "learner_tokens_per_s": "tokens trained per second (learner side)",
+    "rollout_idle_frac": "fraction of wall time the rollout servers waited (admission)",
+    "learner_idle_frac": "fraction of wall time the learner waited for trajectories",
+}
+"""The metric names the dashboard and the run report chart; others are kept and returned too."""
+
+CHARTS: dict[str, tuple[str, list[str]]] = {
+    "reward": ("Reward and held-out accuracy", ["reward_mean", "accuracy"]),
+    "staleness": ("Staleness (policy-version lag)", ["lag_max", "lag_mean", "stale_dropped"]),
+    "throughput": ("Throughput (tokens/s)", ["rollout_tokens_per_s", "learner_tokens_per_s"]),
+    "idle": ("Idle fraction", ["rollout_idle_frac", "learner_idle_frac"]),
+    "loss": ("Loss, KL, entropy", ["loss", "kl", "entropy"]),
+}
+"""Chart id -> (title, metric names vs step): the dashboard draws these, the run report should too."""
+
+_METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_STREAM_ID = re.compile(r"^\d{1,20}(-\d{1,20})?$")
+_RESERVED = frozenset({"source", "step", "t"})
+
+
+class UnknownRun(KeyError):
+    """No run has this id."""
+
+
+class RunConflict(Exception):
+    """Another run is active; ``active_id`` names it."""
+
+    def __init__(self, active_id: str, state: str) -> None:
+        super().__init__(f"run {active_id} is {state}: one run at a time; stop it first")
+        self.active_id = active_id
+
+
+class TransitionError(ValueError):
+    """A state change the lifecycle does not allow (e.g. a finished run cannot be stopped)."""
+
+
+# KEYS: state hash, active. ARGV: new state, now, error, run_id, terminal (0/1),
+# the states it may be entered from (comma-separated, from TRANSITIONS)
+_SET_STATE = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {0, ''} end
+if not string.find(',' .. ARGV[6] .. ',', ',' .. cur .. ',', 1, true) then return {-1, cur} end
+redis.call('HSET', KEYS[1], 'state', ARGV[1])
+if ARGV[1] == 'running' and cur == 'queued' then redis.call('HSET', KEYS[1], 'started_at', ARGV[2]) end
+if ARGV[5] == '1' then
+  redis.call('HSET', KEYS[1], 'finished_at', ARGV[2], 'error', ARGV[3])
+  if redis.call('GET', KEYS[2]) == ARGV[4] then redis.call('DEL', KEYS[2]) end
+end
+return {1, cur}
+"""
+
+# KEYS: state hash. ARGV: field, value pairs. Updates an existing run only.
+_UPDATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
+# KEYS: stream, summary. ARGV: maxlen, source, step, t, then name, value pairs
+_APPEND = """
+local args = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'source', ARGV[2], 'step', ARGV[3], 't', ARGV[4]}
+for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
+local id = redis.call(unpack(args))
+for i = 5, #ARGV, 2 do
+  local name, v = ARGV[i], tonumber(ARGV[i + 1])
+  redis.call('HSET', KEYS[2], 'last:' .. name, ARGV[i + 1])
+  redis.call('HSETNX', KEYS[2], 'first:' .. name, ARGV[i + 1])
+  local m = tonumber(redis.call('HGET', KEYS[2], 'max:' .. name) or '-inf')
+  if v > m then redis.call('HSET', KEYS[2], 'max:' .. name, ARGV[i + 1]) end
+end
+return id
+"""
+
+
+def _state_key(run_id: str) -> str:
+    try:
+        return Keys(run_id).state
+    except ValueError:
+        raise UnknownRun(run_id) from None
+
+
+def _record(raw: dict[bytes, bytes]) -> RunRecord:
+    f = {k.decode(): v.decode() for k, v in raw.items()}
+    opt = lambda name: float(f[name]) if f.get(name) else None  # noqa: E731
+    return RunRecord(
+        run_id=f["run_id"],
+        state=f["state"],
+        prompt_set_id=f["prompt_set_id"],
+        config=json.loads(f["config"]),
+        created_at=float(f["created_at"]),
+        started_at=opt("started_at"),
+        finished_at=opt("finished_at"),
+        error=f.get("error", ""),
+        step=int(f.get("step") or 0),
+        policy_version=int(f.get("policy_version") or 0),
+    )
+
+
+class RunStore:
+    """Every run the control plane knows, and which one is active."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._set_state = redis.register_script(_SET_STATE)
+        self._update = redis.register_script(_UPDATE)
+
+    async def create(self, run_id: str, prompt_set_id: str, config: dict) -> RunRecord:
+        """Register a ``queued`` run and make it the active one, atomically.
+
+        Raises :class:`RunConflict` while another run is queued or running,
+        ``ValueError`` if ``run_id`` is taken or not a valid id.
+        """
+        state_key = Keys(run_id).state
+        record = RunRecord(
+            run_id=run_id, state="queued", prompt_set_id=prompt_set_id, config=config, created_at=time.time()
+        )
+        fields = {
+            "run_id": run_id, "state": "queued", "prompt_set_id": prompt_set_id,
+            "config": json.dumps(config), "created_at": repr(record.created_at),
+            "started_at": "", "finished_at": "", "error": "", "step": 0, "policy_version": 0,
+        }
+        for _attempt in range(50):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(ACTIVE_RUN, state_key)
+                    if await pipe.exists(state_key):
+                        raise ValueError(f"run id {run_id} is taken")
+                    current = await pipe.get(ACTIVE_RUN)
+                    if current is not None:
+                        other = current.decode()
+                        other_state = await pipe.hget(Keys(other).state, "state")
+                        if other_state is not None and other_state.decode() in LIVE_STATES:
+                            raise RunConflict(other, other_state.decode())
+                    pipe.multi()
+                    pipe.set(ACTIVE_RUN, run_id)
+                    pipe.hset(state_key, mapping=fields)
+                    pipe.zadd(RUNS, {run_id: record.created_at})
+                    await pipe.execute()
+                    return record
+                except WatchError:
+                    continue
+        raise RuntimeError("could not create the run: the registry kept changing under it")
+
+    async def get(self, run_id: str) -> RunRecord:
+        """The run's record; raises :class:`UnknownRun`."""
+        raw = await self.redis.hgetall(_state_key(run_id))
+        if not raw:
+            raise UnknownRun(run_id)
+        return _record(raw)
+
+    async def list(self, limit: int = 100) -> list[RunRecord]:
+        """Runs, newest first."""
+        ids = await self.redis.zrevrange(RUNS, 0, limit - 1)
+        pipe = self.redis.pipeline(transaction=False)
+        for run_id in ids:
+            pipe.hgetall(Keys(run_id.decode()).state)
+        return [_record(raw) for raw in await pipe.execute() if raw]
+
+    async def active(self) -> RunRecord | None:
+        """The queued or running run the stack should work on, or None."""
+        current = await self.redis.get(ACTIVE_RUN)
+        if current is None:
+            return None
+        try:
+            record = await self.get(current.decode())
+        except UnknownRun:
+            return None
+        return record if record.state in LIVE_STATES else None
+
+    async def is_live(self, run_id: str) -> bool:
+        """True while the run is queued or running: services keep working on it."""
+        state = await self.redis.hget(_state_key(run_id), "state")
+        return state is not None and state.decode() in LIVE_STATES
+
+    async def set_state(self, run_id: str, state: RunState, *, error: str = "") -> RunRecord:
+        """Move the run to ``state`` (validated against :data:`TRANSITIONS`); returns the new record.
+
+        Entering a terminal state sets ``finished_at`` (and ``error``) and
+        frees the active slot. Raises :class:`UnknownRun` or :class:`TransitionError`.
+        """
+        if state not in TRANSITIONS and state not in TERMINAL_STATES:
+            raise TransitionError(f"unknown state {state!r}")
+        terminal = state in TERMINAL_STATES
+        sources = ",".join(s for s, targets in TRANSITIONS.items() if state in targets)
+        ok, previous = await self._set_state(
+            keys=[_state_key(run_id), ACTIVE_RUN],
+            args=[state, repr(time.time()), error[:4000] if terminal else "", run_id, "1" if terminal else "0", sources],
+        )
+        if ok == 0:
+            raise UnknownRun(run_id)
+        if ok == -1:
+            raise TransitionError(f"run {run_id} is {previous.decode()}: it cannot become {state}")
+        return await self.get(run_id)
+
+    async def stop(self, run_id: str) -> RunRecord:
+        """Stop a queued or running run (services polling :meth:`is_live` let go of it)."""
+        return await self.set_state(run_id, "stopped")
+
+    async def update(self, run_id: str, *, step: int | None = None, policy_version: int | None = None) -> None:
+        """Record the learner's progress. Raises :class:`UnknownRun`."""
+        fields: list = []
+        if step is not None:
+            fields += ["step", int(step)]
+        if policy_version is not None:
+            fields += ["policy_version", int(policy_version)]
+        if fields and not await self._update(keys=[_state_key(run_id)], args=fields):
+            raise UnknownRun(run_id)
+
+
+class MetricsLog:
+    """The metrics time series of one run (a capped Redis stream plus a summary hash)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, maxlen: int = 100_000) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.maxlen = maxlen
+        self._append = redis.register_script(_APPEND)
+
+    async def append(self, source: str, step: int, /, **values: float) -> str:
+        """Add one point (``source`` e.g. "learner", "rollout:host:port", "eval"); returns its id.
+
+        Names are lower_snake_case (see :data:`METRICS`); values must be finite.
+        """
+        if not source or len(source) > 128:
+            raise ValueError("source must be 1-128 characters")
+        if step < 0:
+            raise ValueError("step must be >= 0")
+        args: list = [self.maxlen, source, int(step), repr(time.time())]
+        for name, value in values.items():
+            if not _METRIC_NAME.match(name) or name in _RESERVED:
+                raise ValueError(f"bad metric name {name!r}")
+            value = float(value)
+            if not math.isfinite(value):
+                raise ValueError(f"metric {name} is not finite: {value}")
+            args += [name, repr(value)]
+        entry_id = await self._append(keys=[self.keys.metrics, self.keys.metrics_summary], args=args)
+        return entry_id.decode()
+
+    async def read(self, since: str | None = None, limit: int = 10_000) -> list[MetricPoint]:
+        """Points after stream id ``since`` (exclusive; None = from the start), oldest first."""
+        if since is not None and not _STREAM_ID.match(since):
+            raise ValueError(f"since must be a stream id like 1700000000000-0, not {since!r}")
+        rows = await self.redis.xrange(self.keys.metrics, min=f"({since}" if since else "-", count=limit)
+        points = []
+        for entry_id, fields in rows:
+            f = {k.decode(): v.decode() for k, v in fields.items()}
+            values = {k: float(v) for k, v in f.items() if k not in _RESERVED}
+            points.append(
+                MetricPoint(id=entry_id.decode(), t=float(f["t"]), source=f["source"], step=int(f["step"]), values=values)
+            )
+        return points
+
+    async def summary(self) -> dict[str, dict[str, float]]:
+        """``{"last": {name: v}, "first": {...}, "max": {...}}`` over every point appended."""
+        raw = await self.redis.hgetall(self.keys.metrics_summary)
+        out: dict[str, dict[str, float]] = {"last": {}, "first": {}, "max": {}}
+        for k, v in raw.items():
+            kind, _, name = k.decode().partition(":")
+            out.setdefault(kind, {})[name] = float(v)
+        return out

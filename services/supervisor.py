@@ -1,0 +1,242 @@
+"""The local stack: embedded Redis plus every service as a supervised child.
+
+``tandem up`` and ``tandem run`` use :class:`Stack`. It
+
+- starts Redis (embedded ``redis-server`` unless ``REDIS_URL`` is set), then
+  each service as ``tandem serve NAME`` on a free port, all in their own
+  process groups with ``PR_SET_PDEATHSIG`` (so they die with the
+  supervisor even if it is killed -9), with the URLs, token and run
+  directory passed as ``TANDEM_*`` variables;
+- waits until each answers ``/healthz``;
+- streams their output, each line prefixed with the service name, to the
+  console and to ``<run_dir>/logs/NAME.log``;
+- restarts a service that exits unexpectedly, with exponential back-off, at
+  most ``max_restarts`` times per service; beyond that the stack fails;
+- on :meth:`stop` (Ctrl-C, SIGTERM) ends every child's process group
+  (SIGTERM, then SIGKILL after a grace period) and then Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from broker.embedded import EmbeddedRedis, die_with_parent, free_port
+
+SERVICES = ("reward", "control", "rollout", "learner")
+START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 300, "learner": 300}
+
+
+@dataclass
+class Child:
+    name: str
+    port: int
+    env: dict[str, str]
+    args: list[str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    log_thread: threading.Thread | None = None
+    history: list[int] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class StackError(RuntimeError):
+    """The stack could not start, or a service kept crashing."""
+
+
+class Stack:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        config: str | Path | None = None,
+        token: str | None = None,
+        redis_url: str | None = None,
+        services: tuple[str, ...] = SERVICES,
+        max_restarts: int = 3,
+        echo: Callable[[str], None] | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.config = Path(config).resolve() if config else None
+        self.token = token or secrets.token_urlsafe(24)
+        self.external_redis = redis_url
+        self.services = services
+        self.max_restarts = max_restarts
+        self.echo = echo or (lambda line: print(line, flush=True))
+        self.extra_env = extra_env or {}
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = redis_url or ""
+        self.children: dict[str, Child] = {}
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- start -------------------------------------------------------------
+
+    def start(self) -> Stack:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.external_redis:
+                self.redis = EmbeddedRedis(self.run_dir / "redis").start()
+                self.redis_url = self.redis.url
+                self.echo(f"[stack] redis-server at {self.redis_url} (AOF in {self.redis.data_dir})")
+            ports = {name: free_port() for name in self.services}
+            env = self._env(ports)
+            for name in self.services:
+                args = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(ports[name])]
+                if self.config is not None:
+                    args += ["--config", str(self.config)]
+                self.children[name] = Child(name, ports[name], env, args)
+            for name in self.services:
+                self._spawn(self.children[name])
+                self._wait_healthy(self.children[name])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _env(self, ports: dict[str, int]) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        env.update({
+            "TANDEM_TOKEN": self.token,
+            "TANDEM_HOST": "127.0.0.1",
+            "REDIS_URL": self.redis_url,
+            "TANDEM_RUN_DIR": str(self.run_dir),
+            "PYTHONUNBUFFERED": "1",
+        })
+        for name, var in [("control", "TANDEM_CONTROL_URL"), ("reward", "TANDEM_REWARD_URL"),
+                          ("learner", "TANDEM_LEARNER_URL")]:
+            if name in ports:
+                env[var] = f"http://127.0.0.1:{ports[name]}"
+        if "rollout" in ports:
+            env["TANDEM_ROLLOUT_URLS"] = f'["http://127.0.0.1:{ports["rollout"]}"]'
+        env.update(self.extra_env)
+        return env
+
+    def _spawn(self, child: Child) -> None:
+        child.proc = subprocess.Popen(
+            child.args,
+            env={**child.env, "TANDEM_SERVER_ID": child.name},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        child.started_at = time.monotonic()
+        log = open(self.run_dir / "logs" / f"{child.name}.log", "a", buffering=1)  # noqa: SIM115
+        child.log_thread = threading.Thread(target=self._pump, args=(child, child.proc, log), daemon=True)
+        child.log_thread.start()
+
+    def _pump(self, child: Child, proc: subprocess.Popen, log) -> None:
+        with log:
+            for raw in proc.stdout:
+                line = raw.decode(errors="replace").rstrip()
+                log.write(line + "\n")
+                self.echo(f"[{child.name}] {line}")
+
+    def _wait_healthy(self, child: Child) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S.get(child.name, 120)
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise StackError(
+                    f"{child.name} exited with code {child.proc.returncode} while starting; "
+                    f"see {self.run_dir / 'logs' / (child.name + '.log')}"
+                )
+            try:
+                if httpx.get(f"{child.url}/healthz", timeout=2.0).status_code == 200:
+                    self.echo(f"[stack] {child.name} ready at {child.url}")
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise StackError(f"{child.name} did not become healthy in {START_TIMEOUT_S.get(child.name, 120)} s")
+
+    # -- supervise ---------------------------------------------------------
+
+    def check(self) -> None:
+        """Restart crashed services (with back-off); raise :class:`StackError` past the limit."""
+        for child in self.children.values():
+            if self._stopping.is_set() or child.proc is None or child.proc.poll() is None:
+                continue
+            code = child.proc.returncode
+            if child.restarts >= self.max_restarts:
+                raise StackError(f"{child.name} exited with code {code} after {child.restarts} restarts")
+            child.restarts += 1
+            delay = min(30.0, 2.0 ** child.restarts)
+            self.echo(f"[stack] {child.name} exited with code {code}; restart {child.restarts}/"
+                      f"{self.max_restarts} in {delay:.0f} s")
+            if self._stopping.wait(delay):
+                return
+            self._spawn(child)
+            self._wait_healthy(child)
+
+    def supervise(self, until: Callable[[], bool] | None = None, poll_s: float = 1.0) -> None:
+        """Keep the stack up until ``until()`` is true or :meth:`stop` is called."""
+        while not self._stopping.is_set():
+            self.check()
+            if until is not None and until():
+                return
+            self._stopping.wait(poll_s)
+
+    # -- stop --------------------------------------------------------------
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """End every child's process group, then Redis. Safe to call twice."""
+        with self._lock:
+            self._stopping.set()
+            alive = [c for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
+            for child in reversed(alive):
+                _signal_group(child.proc, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for child in alive:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.echo(f"[stack] {child.name} ignored SIGTERM; killing it")
+            for child in self.children.values():
+                if child.proc is not None:
+                    _signal_group(child.proc, signal.SIGKILL)  # stragglers in the group, too
+                    child.proc.wait()
+                if child.log_thread is not None:
+                    child.log_thread.join(timeout=5)
+            if self.redis is not None:
+                self.redis.stop()
+                self.redis = None
+
+    def url(self, name: str) -> str:
+        return self.children[name].url
+
+    def pids(self) -> list[int]:
+        """Every process id the stack started (services and Redis)."""
+        pids = [c.proc.pid for c in self.children.values() if c.proc is not None]
+        if self.redis is not None and self.redis.proc is not None:
+            pids.append(self.redis.proc.pid)
+        return pids
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,201 @@
+"""Control plane: runs (create, enqueue, status, metrics, stop) against real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from broker import Keys, WeightRegistry, WeightVersion
+from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
+from services.wire import PromptGroup, decode
+from tests.fixtures.control import ARITH_LINES, run_config
+
+
+async def _prompt_set(control) -> str:
+    r = await control.upload(ARITH_LINES)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+async def _start(control, set_id: str, config: dict | None = None):
+    body = {"prompt_set_id": set_id, "config": config or run_config()}
+    return await control.client.post("/v1/runs", json=body, headers=control.auth())
+
+
+async def test_a_run_enqueues_epochs_times_lines_prompt_groups(control):
+    set_id = await _prompt_set(control)
+    r = await _start(control, set_id)
+    assert r.status_code == 201, r.text
+    run_id, groups = r.json()["run_id"], r.json()["groups"]
+    assert groups == 2 * len(ARITH_LINES) and run_id.startswith("ctl-")
+
+    keys = Keys(run_id)
+    entries = await control.redis.xrange(keys.prompts)
+    payloads = [decode(PromptGroup, fields[b"p"]) for _id, fields in entries]
+    assert len(payloads) == groups
+    assert len({p.group_id for p in payloads}) == groups  # unique per run
+    assert all(p.run_id == run_id and p.n == 4 and p.spec.type == "exact" for p in payloads)
+    for epoch in (0, 1):
+        indices = [p.index for p in payloads if p.epoch == epoch]
+        assert sorted(indices) == list(range(len(ARITH_LINES)))  # every line once per epoch
+    assert [p.prompt for p in payloads[:5]] != [x["prompt"] for x in ARITH_LINES]  # shuffled (seed 7)
+    for key, group in [(keys.prompts, "rollout"), (keys.trajectories, "learner")]:
+        assert [g["name"].decode() for g in await control.redis.xinfo_groups(key)] == [group]
+
+    listed = (await control.client.get("/v1/runs", headers=control.auth())).json()
+    assert [x["run_id"] for x in listed] == [run_id] and listed[0]["state"] == "queued"
+    active = await RunStore(control.redis).active()
+    assert active.run_id == run_id and active.config["sampling"]["group_size"] == 4
+
+
+async def test_format_weight_wraps_every_spec(control):
+    set_id = await _prompt_set(control)
+    r = await _start(control, set_id, run_config(reward={"format_weight": 0.2}, data={"epochs": 1}))
+    entries = await control.redis.xrange(Keys(r.json()["run_id"]).prompts)
+    spec = decode(PromptGroup, entries[0][1][b"p"]).spec
+    assert spec.type == "combined"
+    assert [(p.weight, p.spec.type) for p in spec.parts] == [(1.0, "exact"), (0.2, "regex")]
+
+
+BAD_CONFIGS = {
+    "unknown key": (run_config(loss={"eps_hihg": 0.3}), "config: loss.eps_hihg: unknown field"),
+    "inconsistent sizes": (
+        run_config(sampling={"max_tokens": 80}),
+        "sampling.max_tokens (80) must be below model.max_model_len (64)",
+    ),
+    "on-policy with publish.every > 1": (
+        run_config(staleness={"max_staleness": 0}, publish={"every": 2}),
+        "publish.every = 1",
+    ),
+    "wrong type": (run_config(sampling={"group_size": "eight"}), "config: sampling.group_size"),
+    "missing section": ({"name": "x", "data": {"train": "t"}}, "config: model: Field required"),
+}
+
+
+@pytest.mark.parametrize("config, message", BAD_CONFIGS.values(), ids=BAD_CONFIGS.keys())
+async def test_bad_run_config_is_422_naming_the_field_and_stores_nothing(control, snapshot, config, message):
+    set_id = await _prompt_set(control)
+    before = await snapshot(control.redis)
+    r = await _start(control, set_id, config)
+    assert r.status_code == 422, r.text
+    assert message in r.json()["detail"]
+    assert await snapshot(control.redis) == before
+
+
+async def test_bad_request_body_is_422_naming_the_field(control, snapshot):
+    before = await snapshot(control.redis)
+    r = await control.client.post("/v1/runs", json={"config": run_config()}, headers=control.auth())
+    assert r.status_code == 422 and "prompt_set_id" in r.json()["message"]
+    r = await control.client.post("/v1/runs", json={"prompt_set_id": "ps-x"}, headers=control.auth())
+    assert r.status_code == 422 and "config: field required" in r.json()["detail"]
+    assert await snapshot(control.redis) == before
+
+
+async def test_run_on_a_missing_prompt_set_is_404_and_stores_nothing(control, snapshot):
+    before = await snapshot(control.redis)
+    for set_id in ("ps-0123456789abcdef0123", "../../etc"):
+        r = await _start(control, set_id)
+        assert r.status_code == 404 and "no prompt set" in r.json()["detail"]
+    assert await snapshot(control.redis) == before
+
+
+async def test_untyped_lines_that_do_not_fit_the_run_config_are_422(control, snapshot):
+    r = await control.upload([{"prompt": "2+2=", "answer": "4"}])
+    set_id = r.json()["id"]
+    before = await snapshot(control.redis)
+    r = await _start(control, set_id, run_config(reward={"type": "regex"}))
+    assert r.status_code == 422 and "line 1: pattern: Field required" in r.json()["detail"]
+    assert await snapshot(control.redis) == before
+    r = await _start(control, set_id, run_config(reward={"type": "exact", "extract": "last_number"}))
+    entries = await control.redis.xrange(Keys(r.json()["run_id"]).prompts)
+    spec = decode(PromptGroup, entries[0][1][b"p"]).spec
+    assert (spec.type, spec.extract, spec.answer) == ("exact", "last_number", "4")
+
+
+async def test_two_runs_at_once_one_wins_the_other_is_409(control, snapshot):
+    set_id = await _prompt_set(control)
+    first, second = await asyncio.gather(_start(control, set_id), _start(control, set_id))
+    assert sorted([first.status_code, second.status_code]) == [201, 409], (first.text, second.text)
+    winner, loser = (first, second) if first.status_code == 201 else (second, first)
+    run_id = winner.json()["run_id"]
+    assert loser.json()["active_run"] == run_id and run_id in loser.json()["detail"]
+    runs = (await control.client.get("/v1/runs", headers=control.auth())).json()
+    assert [r["run_id"] for r in runs] == [run_id]  # the loser left nothing behind
+
+    before = await snapshot(control.redis)
+    assert (await _start(control, set_id)).status_code == 409
+    assert await snapshot(control.redis) == before
+
+    stopped = await control.client.post(f"/v1/runs/{run_id}/stop", headers=control.auth())
+    assert stopped.status_code == 200 and stopped.json()["state"] == "stopped"
+    assert (await control.client.post(f"/v1/runs/{run_id}/stop", headers=control.auth())).status_code == 409
+    assert (await _start(control, set_id)).status_code == 201  # the slot is free again
+
+
+async def test_status_and_metrics_report_what_the_services_wrote(control):
+    run_id = (await _start(control, await _prompt_set(control))).json()["run_id"]
+    store, keys = RunStore(control.redis), Keys(run_id)
+    log = MetricsLog(control.redis, keys)
+    await store.set_state(run_id, "running")
+    await log.append("eval", 0, accuracy=0.3)
+    for step in (1, 2, 3):
+        await log.append("learner", step, reward_mean=0.1 * step, lag_max=step % 2 + 1, learner_tokens_per_s=900.0)
+    await log.append("rollout:a", 3, rollout_tokens_per_s=4600.0, rollout_idle_frac=0.25)
+    await log.append("eval", 3, accuracy=0.7)
+    await store.update(run_id, step=3, policy_version=3)
+    await WeightRegistry(control.redis, keys).publish(WeightVersion(version=3, uri="/w/3", sha256="0" * 64, created_at=0))
+    await control.redis.hset(keys.counters, mapping={"stale_dropped": 2, "accepted": 6})
+
+    s = (await control.client.get(f"/v1/runs/{run_id}", headers=control.auth())).json()
+    assert s["run"]["state"] == "running" and s["run"]["step"] == 3 and s["run"]["policy_version"] == 3
+    assert s["run"]["started_at"] is not None
+    assert s["reward_mean"] == pytest.approx(0.3) and s["accuracy"] == 0.7 and s["accuracy_first"] == 0.3
+    assert s["weights_version"] == 3
+    assert s["staleness"] == {
+        "max_staleness": 1, "max_observed_lag": 2.0, "stale_dropped": 2, "queued": 0, "in_flight": 0, "backlog": 10,
+    }
+    assert s["throughput"]["rollout_tokens_per_s"] == 4600.0 and s["throughput"]["rollout_idle_frac"] == 0.25
+
+    page = (await control.client.get(f"/v1/runs/{run_id}/metrics", headers=control.auth())).json()
+    assert [p["source"] for p in page["points"]] == ["eval", "learner", "learner", "learner", "rollout:a", "eval"]
+    later = (await control.client.get(f"/v1/runs/{run_id}/metrics?since={page['points'][3]['id']}", headers=control.auth())).json()
+    assert [p["values"] for p in later["points"]] == [page["points"][4]["values"], {"accuracy": 0.7}]
+    assert later["next"] == page["next"] == page["points"][-1]["id"]
+    bad = await control.client.get(f"/v1/runs/{run_id}/metrics?since=yesterday", headers=control.auth())
+    assert bad.status_code == 422 and "since" in bad.json()["detail"]
+
+
+async def test_unknown_runs_are_404(control):
+    for method, path in [("GET", "/v1/runs/nope"), ("GET", "/v1/runs/nope/metrics"), ("POST", "/v1/runs/nope/stop"),
+                         ("GET", "/v1/runs/bad%20id!")]:
+        r = await control.client.request(method, path, headers=control.auth())
+        assert r.status_code == 404, (path, r.text)
+
+
+async def test_lifecycle_transitions_are_enforced(control):
+    store = RunStore(control.redis)
+    await store.create("life-1", "ps-x", run_config())
+    with pytest.raises(RunConflict, match="life-1 is queued"):
+        await store.create("life-2", "ps-x", run_config())
+    await store.stop("life-1")
+    with pytest.raises(ValueError, match="taken"):
+        await store.create("life-1", "ps-x", run_config())
+    with pytest.raises(TransitionError, match="life-1 is stopped: it cannot become running"):
+        await store.set_state("life-1", "running")
+    assert await store.active() is None and not await store.is_live("life-1")
+
+    await store.create("life-2", "ps-x", run_config())
+    assert (await store.set_state("life-2", "running")).state == "running"
+    assert (await store.set_state("life-2", "running")).state == "running"  # a restarted learner resumes
+    failed = await store.set_state("life-2", "failed", error="OOM")
+    assert failed.error == "OOM" and failed.finished_at >= failed.started_at
+    with pytest.raises(TransitionError):
+        await store.set_state("life-2", "finished")
+    with pytest.raises(UnknownRun):
+        await store.update("never", step=1)
+    with pytest.raises(ValueError, match="not finite"):
+        await MetricsLog(control.redis, Keys("life-2")).append("learner", 1, kl=float("nan"))
+    with pytest.raises(ValueError, match="bad metric name"):
+        await MetricsLog(control.redis, Keys("life-2")).append("learner", 1, step=1.0)
+    assert [r.run_id for r in await store.list()] == ["life-2", "life-1"]

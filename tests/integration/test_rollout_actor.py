@@ -1,0 +1,205 @@
+"""The actor loop with the real broker (Redis), the session's real vLLM engine and a
+scoring service over HTTP. The test plays the learner: it reads trajectory groups,
+checks them, publishes a new weight version, then acks (publish-before-ack, so with
+eta = 0 no group can be admitted on the old version once a step's groups are in)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+
+import pytest
+
+from broker import Admission, Envelope, Stream, WeightRegistry, accept
+from broker.weights import WeightVersion
+from services import wire
+from services.clients import RewardClient
+from services.config import RunConfig
+from tests.fixtures.rollout import SANDBOX_ERROR_PATTERN, TOKEN
+
+
+def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size: int = 4, retries: int = 2) -> RunConfig:
+    train = tmp_path / "train.jsonl"
+    train.write_text("")
+    return RunConfig.model_validate(
+        {
+            "name": "actor-test",
+            "model": {"path": str(tiny_model), "max_model_len": 256},
+            "data": {"train": str(train)},
+            "sampling": {"group_size": group_size, "max_tokens": 12, "temperature": 1.0},
+            "learner": {"groups_per_step": groups_per_step},
+            "staleness": {"max_staleness": eta, "lease_s": 60, "visibility_timeout_s": 60},
+            "reward": {"retries": retries},
+        }
+    )
+
+
+async def _enqueue(redis, keys, count: int, n: int, pattern: str = "a") -> list[str]:
+    prompts = Stream.prompts(redis, keys)
+    await prompts.ensure_group()
+    groups = []
+    envs = []
+    for i in range(count):
+        gid = f"g{i}-{uuid.uuid4().hex[:6]}"
+        pg = wire.PromptGroup(
+            run_id=keys.run_id, group_id=gid, prompt=f"Q{i}: 2+{i}=", n=n, index=i,
+            spec=wire.RegexSpec(pattern=pattern),
+        )
+        envs.append(Envelope(gid, -1, wire.encode(pg)))
+        groups.append(gid)
+    await prompts.add_many(envs)
+    return groups
+
+
+async def _publish(registry: WeightRegistry, weight_versions, seed: int, version: int) -> None:
+    req = weight_versions.make(seed=seed, version=version)
+    await registry.publish(
+        WeightVersion(version=version, uri=req.uri, sha256=req.sha256, created_at=time.time())
+    )
+
+
+class Watch:
+    """Samples the admission tickets while the actor runs: never above capacity."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.max_outstanding = 0
+
+    async def run(self) -> None:
+        while True:
+            self.max_outstanding = max(self.max_outstanding, await self.admission.outstanding())
+            await asyncio.sleep(0.01)
+
+
+async def _run_learner(
+    redis, keys, registry, weight_versions, *, eta: int, groups_per_step: int, steps: int, hf_logprobs, seed0: int
+):
+    """A learner stand-in (publish-before-ack). Returns [(v_learner, TrajectoryGroup)]."""
+    traj = Stream.trajectories(redis, keys)
+    await traj.ensure_group()
+    seen = []
+    v_learner = await registry.latest_version()
+    for step in range(steps):
+        batch = []
+        deadline = time.monotonic() + 120
+        while len(batch) < groups_per_step:
+            assert time.monotonic() < deadline, f"step {step}: only {len(batch)} groups arrived"
+            batch += await traj.read("learner", count=groups_per_step - len(batch), block_ms=500)
+        for d in batch:
+            g = wire.decode(wire.TrajectoryGroup, d.envelope.payload)
+            assert d.envelope.policy_version == g.policy_version
+            seen.append((v_learner, g))
+            assert accept(v_learner, g.policy_version, eta), (
+                f"admission let through a group of version {g.policy_version} at learner version {v_learner}"
+            )
+            for s in g.samples:
+                assert len(s.logprobs) == len(s.token_ids) and all(math.isfinite(x) for x in s.logprobs)
+                # the tag is true: the logprobs are those of the tagged version's weights
+                ref = hf_logprobs(weight_versions.dir_of(s.policy_version), g.prompt_token_ids, s.token_ids)
+                assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 2e-3
+        v_learner += 1
+        await _publish(registry, weight_versions, seed0 + step, v_learner)
+        await traj.ack(batch, counter="accepted")
+    return seen
+
+
+@pytest.fixture
+async def actor_factory(rollout_engine, redis, keys, reward_service):
+    """Start an Actor on the session engine for this test's run; cancelled at the end."""
+    from rollout_server.actor import Actor
+
+    tasks, clients = [], []
+
+    def start(config: RunConfig, concurrency: int = 8):
+        reward = RewardClient(reward_service.url, TOKEN, attempts=2, max_total_s=10)
+        clients.append(reward)
+        actor = Actor(
+            rollout_engine, redis=redis, keys=keys, config=config, reward=reward,
+            server_id=f"test-{keys.run_id}", metrics=rollout_engine.metrics, concurrency=concurrency,
+        )
+        task = asyncio.create_task(actor.run())
+        tasks.append(task)
+        return actor, task
+
+    yield start
+    for t in tasks:
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+    for c in clients:
+        await c.aclose()
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+async def test_actor_produces_groups_within_the_staleness_bound(
+    eta, actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, hf_logprobs, rollout_engine
+):
+    gps, steps = 2, 3
+    config = _config(tiny_model, tmp_path, eta=eta, groups_per_step=gps)
+    registry = WeightRegistry(redis, keys)
+    # this run's numbering starts above whatever the shared engine has loaded
+    v0 = weight_versions.next_version()
+    await _publish(registry, weight_versions, 200, v0)
+    await _enqueue(redis, keys, count=gps * steps + 4, n=config.sampling.group_size)
+
+    actor, task = actor_factory(config)
+    watch = Watch(actor.admission)
+    watcher = asyncio.create_task(watch.run())
+    try:
+        seen = await _run_learner(
+            redis, keys, registry, weight_versions, eta=eta, groups_per_step=gps, steps=steps,
+            hf_logprobs=hf_logprobs, seed0=210,
+        )
+    finally:
+        watcher.cancel()
+    assert not task.done(), task.exception() if task.done() and not task.cancelled() else "actor stopped"
+    assert watch.max_outstanding <= (eta + 1) * gps
+    assert len(seen) == gps * steps
+    for v_learner, g in seen:
+        assert g.n == config.sampling.group_size == len(g.samples)
+        assert g.policy_version == min(s.policy_version for s in g.samples)
+        assert g.rollout_id == actor.server_id
+        assert {s.reward for s in g.samples} <= {0.0, 1.0}
+        if eta == 0:
+            # exactly on-policy: every sample of the step producing v+1 comes from v
+            assert {s.policy_version for s in g.samples} == {v_learner}
+    # the engine followed the published versions
+    await asyncio.sleep(0.5)
+    assert rollout_engine.version == await registry.latest_version()
+    assert (await registry.in_use())[actor.server_id] == rollout_engine.version
+
+
+async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
+):
+    config = _config(tiny_model, tmp_path, eta=1, groups_per_step=1, retries=2)
+    registry = WeightRegistry(redis, keys)
+    await _publish(registry, weight_versions, 200, weight_versions.next_version())
+    [bad] = await _enqueue(redis, keys, count=1, n=2, pattern=SANDBOX_ERROR_PATTERN)
+    [good] = await _enqueue(redis, keys, count=1, n=2, pattern="a")
+    calls_before = len(reward_service.app.state.calls)
+    actor, task = actor_factory(config)
+
+    prompts = Stream.prompts(redis, keys)
+    traj = Stream.trajectories(redis, keys)
+    await traj.ensure_group()
+    deadline = time.monotonic() + 60
+    got = []
+    while time.monotonic() < deadline and not (got and await prompts.dead_letters()):
+        got += await traj.read("learner", count=2, block_ms=300)
+    assert [wire.decode(wire.TrajectoryGroup, d.envelope.payload).group_id for d in got] == [good]
+    dead = await prompts.dead_letters()
+    assert [d["g"] for d in dead] == [bad] and "infrastructure" in dead[0]["reason"]
+    counters = await redis.hgetall(keys.counters)
+    assert int(counters[b"infra_dropped"]) == 1
+    # one POST per group, plus the two retries of the failing group (its 2 items each time)
+    calls = reward_service.app.state.calls[calls_before:]
+    bad_calls = [c for c in calls if c[0].startswith(bad)]
+    assert len(bad_calls) == 1 + config.reward.retries and all(len(c) == 2 for c in bad_calls)
+    assert len([c for c in calls if c[0].startswith(good)]) == 1
+    # the dropped group's admission slot was given back: once the actor stops, only the
+    # good group's queued ticket remains
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert await actor.admission.counts() == {"queued": 1, "in_flight": 0}

@@ -1,0 +1,78 @@
+"""Batch building, validation, rank split and micro-batch packing (learner.batch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from learner.batch import TrainSeq, build_batch, check_group, collate, pack, split_ranks
+from services.config import LossConfig
+from services.wire import ScoredSample, TrajectoryGroup
+
+
+def sample(tokens, reward, finish="stop"):
+    return ScoredSample(token_ids=tokens, logprobs=[-1.0] * len(tokens), text="", finish_reason=finish,
+                        policy_version=0, reward=reward, status="ok")
+
+
+def group(gid, samples, prompt=(5, 6)):
+    return TrajectoryGroup(run_id="r", group_id=gid, prompt="", prompt_token_ids=list(prompt), samples=samples,
+                           n=len(samples), policy_version=0)
+
+
+def test_build_batch_advantages_and_token_mean_weights():
+    g = group("a", [sample([7, 8], 1.0), sample([9], 0.0)])
+    rows = build_batch([g], LossConfig(advantage="dr_grpo", aggregation="token_mean"), max_tokens=16)
+    assert [r.advantage for r in rows] == pytest.approx([0.5, -0.5])
+    assert [r.coef for r in rows] == pytest.approx([1 / 3, 1 / 3])
+    assert rows[0].prompt == (5, 6) and rows[0].completion == (7, 8)
+
+
+def test_overlong_completions_are_dropped_after_advantages():
+    g = group("a", [sample([7, 8], 1.0, "length"), sample([9], 0.0), sample([9, 9, 9], 0.5)])
+    cfg = LossConfig(advantage="dr_grpo", aggregation="token_sum_norm", drop_overlong=True)
+    rows = build_batch([g], cfg, max_tokens=10)
+    # the baseline still uses all three rewards (mean 0.5); the overlong row is gone
+    assert [r.advantage for r in rows] == pytest.approx([-0.5, 0.0])
+    assert [r.coef for r in rows] == pytest.approx([1 / 20, 1 / 20])  # max_tokens x rows
+    rows = build_batch([g], cfg.model_copy(update={"drop_overlong": False, "norm_tokens": 7}), max_tokens=10)
+    assert len(rows) == 3 and rows[0].coef == pytest.approx(1 / 7)
+
+
+def test_check_group_reasons():
+    assert check_group(group("a", [sample([7], 1.0), sample([8], 0.0)]), vocab_size=10, max_len=8) is None
+    assert "vocab" in check_group(group("a", [sample([7], 1.0), sample([12], 0.0)]), 10, 8)
+    assert "prompt token" in check_group(group("a", [sample([7], 1.0)], prompt=(50,)), 10, 8)
+    assert "over the model" in check_group(group("a", [sample([7] * 9, 1.0)]), 10, 8)
+
+
+def test_collate_aligns_targets_with_logits():
+    row = TrainSeq("g", (5, 6), (7, 8, 9), (-0.1, -0.2, -0.3), 2.0, 0.25)
+    short = TrainSeq("g", (5,), (4,), (-0.5,), -1.0, 0.5)
+    b = collate([row, short], pad_id=0)
+    assert b["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert b["targets"].tolist() == [[6, 7, 8, 9], [4, 0, 0, 0]]
+    assert b["mask"].tolist() == [[0, 1, 1, 1], [1, 0, 0, 0]]
+    assert b["behav"][0].tolist() == pytest.approx([0.0, -0.1, -0.2, -0.3])
+    assert b["coef"][1].tolist() == pytest.approx([0.5, 0, 0, 0])
+    assert b["advantages"].tolist() == [2.0, -1.0]
+    dummy = collate([], pad_id=0)
+    assert dummy["mask"].sum() == 0
+
+
+def test_pack_respects_the_token_budget():
+    rows = [TrainSeq(f"g{i}", (1,) * 2, (2,) * n, (-1.0,) * n, 0.0, 1.0) for i, n in enumerate([8, 2, 3, 1, 6])]
+    mbs = pack(rows, budget_tokens=20)
+    assert sorted(r.group_id for mb in mbs for r in mb) == sorted(r.group_id for r in rows)
+    for mb in mbs:
+        assert len(mb) == 1 or len(mb) * max(r.length for r in mb) <= 20
+    assert len(pack(rows, budget_tokens=4)) == 5  # over-long rows get a micro-batch each
+
+
+def test_split_ranks_balances_tokens_deterministically():
+    rows = [TrainSeq(f"g{i}", (1,), (2,) * n, (-1.0,) * n, 0.0, 1.0) for i, n in enumerate([9, 1, 5, 5, 2, 2])]
+    a, b = split_ranks(rows, 2)
+    assert sorted(r.group_id for r in a + b) == sorted(r.group_id for r in rows)
+    assert abs(sum(r.length for r in a) - sum(r.length for r in b)) <= 2
+    assert split_ranks(rows, 2) == [a, b]
+    assert split_ranks(rows, 1) == [sorted(rows, key=lambda r: (-r.length, r.group_id, r.completion))]
