@@ -5,10 +5,20 @@ Rank 0 serves ``/healthz`` (503 once training failed), ``/metrics`` and
 (DeepSpeed steps block; the HTTP event loop must not). Other ranks of a
 multi-rank job (``torchrun --nproc_per_node N -m learner --config RUN.toml``)
 run the loop in their main thread and serve nothing.
+
+Two modes:
+
+- ``TANDEM_RUN_ID`` set: train that run with ``--config`` (standalone).
+- unset (the local stack, docker-compose): follow the control plane. Wait
+  for the active run in the run registry (``services.runs.RunStore``), mark
+  it ``running``, train it with the config it was submitted with, mark it
+  ``finished`` or ``failed``; stop early when it is stopped; then wait for
+  the next run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -17,7 +27,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from learner.metrics import LearnerMetrics
-from learner.trainer import Trainer
+from learner.trainer import Status, Trainer
 from services.app import create_app
 from services.app import serve as serve_app
 from services.config import RunConfig
@@ -26,10 +36,15 @@ from services.settings import ServiceSettings
 log = logging.getLogger("tandem.learner")
 
 
-def build_app(settings: ServiceSettings, config: RunConfig) -> FastAPI:
+def build_app(settings: ServiceSettings, config: RunConfig | None) -> FastAPI:
     """The learner's app; its lifespan starts the training thread and stops it at shutdown."""
     metrics = LearnerMetrics()
-    trainer = Trainer(settings, config, metrics=metrics)
+    if settings.run_id:
+        if config is None:
+            raise ValueError("TANDEM_RUN_ID is set: the learner needs --config RUN.toml for it")
+        trainer = Trainer(settings, config, metrics=metrics)
+    else:
+        trainer = RunFollower(settings, metrics)
 
     def _train() -> None:
         trainer.run_blocking(reraise=False)  # a failure stays visible in /v1/status and /healthz
@@ -56,10 +71,84 @@ def build_app(settings: ServiceSettings, config: RunConfig) -> FastAPI:
     return app
 
 
+class RunFollower:
+    """Stack mode: train each run the control plane activates, one after the other."""
+
+    def __init__(self, settings: ServiceSettings, metrics: LearnerMetrics, poll_s: float = 0.5) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.poll_s = poll_s
+        self.stop_event = threading.Event()
+        self.current: Trainer | None = None
+        self.idle = Status(state="idle")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.current.run_id if self.current else None
+
+    @property
+    def status(self) -> Status:
+        return self.current.status if self.current else self.idle
+
+    def run_blocking(self, *, reraise: bool = True) -> None:
+        try:
+            asyncio.run(self._follow())
+        except Exception as e:
+            self.idle.state, self.idle.error = "failed", f"{type(e).__name__}: {e}"
+            log.exception("learner run follower failed")
+            if reraise:
+                raise
+
+    async def _follow(self) -> None:
+        from broker import connect
+        from services.config import ConfigError, parse_run_config
+        from services.runs import RunStore
+
+        if not self.settings.redis_url:
+            raise RuntimeError("the learner needs a Redis URL (REDIS_URL or TANDEM_REDIS_URL)")
+        redis = connect(self.settings.redis_url)
+        store = RunStore(redis)
+        try:
+            while not self.stop_event.is_set():
+                run = await store.active()
+                if run is None:
+                    await asyncio.sleep(self.poll_s)
+                    continue
+                try:
+                    cfg = parse_run_config(run.config, f"run {run.run_id}")
+                except ConfigError as e:
+                    await store.set_state(run.run_id, "failed", error=str(e))
+                    continue
+                await store.set_state(run.run_id, "running")
+                trainer = Trainer(self.settings.model_copy(update={"run_id": run.run_id}), cfg, metrics=self.metrics)
+                self.current = trainer
+                watch = asyncio.create_task(self._stop_when_not_live(store, run.run_id, trainer))
+                try:
+                    await asyncio.to_thread(trainer.run_blocking, reraise=False)
+                finally:
+                    watch.cancel()
+                if trainer.status.state == "done":
+                    await store.set_state(run.run_id, "finished")
+                elif trainer.status.state == "failed":
+                    await store.set_state(run.run_id, "failed", error=trainer.status.error or "learner failed")
+                elif await store.is_live(run.run_id):  # stopped by SIGTERM, not by the user: leave it running
+                    return
+        finally:
+            await redis.aclose()
+
+    async def _stop_when_not_live(self, store, run_id: str, trainer: Trainer) -> None:
+        while not self.stop_event.is_set():
+            if not await store.is_live(run_id):
+                trainer.stop_event.set()  # stopped from the control plane
+                return
+            await asyncio.sleep(self.poll_s)
+        trainer.stop_event.set()
+
+
 def serve(settings: ServiceSettings, config: RunConfig | None) -> None:
     """Entry point of ``tandem serve learner`` (and of every rank under torchrun)."""
-    if config is None:
-        raise SystemExit("tandem serve learner needs --config RUN.toml")
+    if int(os.environ.get("RANK", "0")) > 0 and config is None:
+        raise SystemExit("ranks > 0 need --config RUN.toml")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if int(os.environ.get("RANK", "0")) > 0:
         Trainer(settings, config).run_blocking()

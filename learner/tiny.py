@@ -57,7 +57,7 @@ def tiny_qwen3(
     """Write a random Qwen3 causal LM and its char tokenizer to ``out``; return the path.
 
     ``tie_embeddings=False`` gives the model its own ``lm_head`` (vLLM's CPU
-    in-place reload does not refresh a tied head; see tests/integration/test_learner_vllm.py).
+    in-place reload does not refresh a tied head by itself; rollout_server/worker_ext.py re-ties it).
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM

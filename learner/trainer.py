@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -212,6 +213,7 @@ class Trainer:
                 if batch is None:
                     break
                 deliveries = [d for d, _ in batch]
+                lags = [version - g.policy_version for _, g in batch]  # v_learner - v, all <= eta
                 seqs = build_batch([g for _, g in batch], cfg.loss, cfg.sampling.max_tokens)
                 if not seqs:  # every completion was overlong-filtered or empty
                     await feeder.stream.ack(deliveries, counter="empty_dropped")
@@ -245,7 +247,15 @@ class Trainer:
                     "step": step, "version": version, "pid": os.getpid(),
                     "groups": [g.group_id for _, g in batch], "group_versions": [g.policy_version for _, g in batch],
                 })
-                await self._write_state(step, version, stats)
+                rewards = [smp.reward for _, g in batch for smp in g.samples]
+                point = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)} | {
+                    "reward_mean": sum(rewards) / len(rewards),
+                    "lag_max": float(max(lags)), "lag_mean": sum(lags) / len(lags),
+                    "stale_dropped": float(feeder.counts["stale_dropped"]),
+                    "learner_tokens_per_s": self.status.tokens_per_s,
+                    "learner_idle_frac": self.status.idle_fraction,
+                }
+                await self._write_state(step, version, point)
                 if self.metrics is not None:
                     self.metrics.observe_step(self.status, tokens)
                 log.info(
@@ -308,14 +318,16 @@ class Trainer:
                 store.delete_version(self.paths.weights, v)
         await registry.forget(sorted(delete))
 
-    async def _write_state(self, step: int, version: int, stats: dict | None = None) -> None:
-        fields = {"learner_step": step, "learner_version": version, "learner_state": self.status.state}
-        await self.redis.hset(self.keys.state, mapping=fields)
-        if stats is not None:
-            point = {"t": time.time(), "step": step, "version": version} | {
-                k: v for k, v in stats.items() if isinstance(v, (int, float))
-            }
-            await self.redis.xadd(self.keys.metrics, {"learner": json.dumps(point)}, maxlen=100_000, approximate=True)
+    async def _write_state(self, step: int, version: int, point: dict | None = None) -> None:
+        """Progress into the run registry (when the control plane knows the run) and the metrics log."""
+        from services.runs import MetricsLog, RunStore, UnknownRun
+
+        try:
+            await RunStore(self.redis).update(self.run_id, step=step, policy_version=version)
+        except UnknownRun:
+            pass  # a run started without the control plane (tandem serve learner with TANDEM_RUN_ID)
+        if point:
+            await MetricsLog(self.redis, self.keys).append("learner", step, **point)
 
     def _audit(self, name: str, record: dict) -> None:
         with open(self.paths.logs / name, "a") as f:

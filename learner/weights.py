@@ -7,9 +7,11 @@ tied ``lm_head.weight`` is left out, as ``save_pretrained`` does), plus
 ``tandem-version.json`` (version, step, sha256, bytes). vLLM loads it with
 ``collective_rpc("reload_weights", kwargs={"weights_path": uri})``.
 
-``sha256`` is the SHA-256 of the bytes of the directory's ``*.safetensors``
-files concatenated in file-name order (one file today, so: the file's
-digest). :func:`digest` recomputes it for a reader that wants to check.
+``sha256`` is the checksum ``services.weightstore`` defines (the shared,
+torch-free definition both sides use): the SHA-256 of the directory's
+``*.safetensors`` files concatenated in file-name order; with one file, the
+file's digest. This writer computes it while writing, so a publish reads
+nothing back; :func:`digest` (re-exported) recomputes it.
 
 Writes are atomic: the file is written into a temporary sibling directory,
 fsynced, and the directory renamed into place (then its parent fsynced), so
@@ -20,9 +22,7 @@ intermediate copy of the whole state dict) and hashed in a second thread
 while it is written, so publishing runs close to the disk's write speed
 (``bench/learner.py`` measures it).
 
-No torch import at module level: readers can use :func:`digest` and the
-layout without it. (Meant to merge into ``services/weightstore.py`` once
-that light module exists.)
+No torch import at module level.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.weightstore import META_FILE, digest  # noqa: F401  (digest re-exported for callers)
+
 WEIGHTS_FILE = "model.safetensors"
-META_FILE = "tandem-version.json"
 CHUNK = 16 << 20
 
 _DTYPES = {
@@ -205,18 +206,6 @@ def write_version(
     os.rename(tmp, final)
     _fsync_dir(root)
     return Written(version, final, sha, nbytes, time.perf_counter() - t0)
-
-
-def digest(path: str | Path) -> str:
-    """The sha256 of a version directory (or of one safetensors file), as defined above."""
-    path = Path(path)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
-    h = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            while chunk := fh.read(CHUNK):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def on_disk(root: str | Path) -> list[int]:

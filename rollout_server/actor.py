@@ -252,7 +252,11 @@ class Actor:
             return
 
         t0 = time.monotonic()
-        gen = await self.engine.generate(ids, sampling, source="actor")
+        try:
+            gen = await self.engine.generate(ids, sampling, source="actor")
+        except InvalidRequest as e:  # vLLM refused it (a limit our own check does not know)
+            await self._drop(delivery, ticket, "invalid", f"engine refused the group: {e}")
+            return
         gen_s = time.monotonic() - t0
         self.metrics.group_gen_s.observe(gen_s)
 

@@ -2,7 +2,8 @@
 
 ``build_app`` wires the engine (started in the lifespan, one per process and
 owned by it), the HTTP routes, and, when the process serves a run (a run
-config and ``TANDEM_RUN_ID``), the actor loop. A watchdog turns a dead
+config and ``TANDEM_RUN_ID``), the actor loop; with Redis but no run id it
+follows the control plane's active run (``follower``). A watchdog turns a dead
 engine (or an actor loop that stopped) into a failing ``/healthz`` and,
 after ``fatal_grace_s``, a non-zero exit of :func:`serve`, so a supervisor
 restarts the process.
@@ -82,6 +83,11 @@ def build_app(settings: ServiceSettings, config: RunConfig | None = None, *, eng
         try:
             if config is not None and rs.run_id:
                 actor_task, closers = await _start_actor(eng, rs, config, metrics)
+            elif rs.redis_url:
+                # stack mode (tandem up, docker-compose): serve whichever run the control plane activates
+                from rollout_server.follower import follow_runs
+
+                actor_task = asyncio.create_task(follow_runs(eng, rs, metrics), name="follower")
             watchdog = asyncio.create_task(_watchdog(app, eng, actor_task, rs.fatal_grace_s), name="watchdog")
             try:
                 yield

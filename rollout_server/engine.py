@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -95,6 +96,23 @@ class Sampling:
 class Generation:
     prompt_token_ids: list[int]
     samples: list[Sample]
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """The dtype the checkpoint was saved in (``config.json``), else ``auto``.
+
+    Used instead of vLLM's ``auto``, which on the CPU backend serves a float32
+    checkpoint in bfloat16: slower on CPUs without AVX512-BF16 and a different
+    policy than the learner's float32 one.
+    """
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if dtype is None and isinstance(config.get("text_config"), dict):
+        dtype = config["text_config"].get("torch_dtype") or config["text_config"].get("dtype")
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
 def _is_cpu() -> bool:
@@ -174,7 +192,7 @@ class Engine:
         args = AsyncEngineArgs(
             model=str(model_dir),
             tokenizer=str(model_dir),
-            dtype=dtype or "auto",
+            dtype=dtype if dtype not in (None, "auto") else checkpoint_dtype(model_dir),
             max_model_len=max_model_len,
             enforce_eager=settings.enforce_eager,
             seed=settings.seed,
@@ -214,11 +232,15 @@ class Engine:
             return
         self._closed = True
         self.metrics.engine_up.set(0)
-        self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        # drop the last reference now: AsyncLLM.__del__ calls shutdown() again, which at
+        # interpreter exit fails noisily ("'NoneType' object is not callable")
+        del llm
 
     @property
     def alive(self) -> bool:
-        return not self._closed and not self.llm.errored and self._broken is None
+        return not self._closed and self._broken is None and not self.llm.errored
 
     @property
     def dead_reason(self) -> str | None:

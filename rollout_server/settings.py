@@ -36,7 +36,8 @@ class RolloutSettings(ServiceSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         default=None, validation_alias=_env("dtype")
     )
-    """Engine dtype. Default: the run config's ``model.dtype``, else ``auto``."""
+    """Engine dtype. Default: the run config's ``model.dtype``, else the checkpoint's own dtype
+    (``config.json``); vLLM's ``auto`` would serve float32 checkpoints in bfloat16 on CPU."""
     enforce_eager: bool = Field(default=True, validation_alias=_env("enforce_eager"))
     """Skip torch.compile / CUDA graphs. On CPU this also skips vLLM's warm-up pass
     (with an explicit KV-cache size), so the engine answers seconds after it starts."""

@@ -153,7 +153,8 @@ def up(
         info = stack.run_dir / "stack.json"
         info.touch(mode=0o600)
         info.write_text(json.dumps(
-            {"urls": {name: stack.url(name) for name in stack.children}, "token": stack.token, "pid": os.getpid()}
+            {"urls": {name: stack.url(name) for name in stack.children}, "token": stack.token, "pid": os.getpid(),
+             "pids": stack.pids(), "redis_url": stack.redis_url}
         ))
         urls = ", ".join(f"{name} {stack.url(name)}" for name in stack.children)
         typer.secho(f"tandem is up: {urls} (token in {stack.run_dir / 'stack.json'})", fg=typer.colors.GREEN)

@@ -39,7 +39,7 @@ class _wait_retry_after(wait_base):
     """Exponential back-off with jitter, but at least the server's Retry-After."""
 
     def __init__(self, max_s: float) -> None:
-        self.backoff = wait_exponential_jitter(initial=0.2, max=max_s)
+        self.backoff = wait_exponential_jitter(multiplier=0.2, max=max_s, jitter=0.2)
         self.max_s = max_s
 
     def __call__(self, retry_state) -> float:

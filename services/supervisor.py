@@ -130,7 +130,7 @@ class Stack:
     def _spawn(self, child: Child) -> None:
         child.proc = subprocess.Popen(
             child.args,
-            env={**child.env, "TANDEM_SERVER_ID": child.name},
+            env={**cpu_split(child.name), **child.env, "TANDEM_SERVER_ID": child.name},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -233,6 +233,25 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:
+    """Thread settings that keep the rollout engine and the learner off each other's cores.
+
+    vLLM's CPU backend pins its OpenMP threads; left alone, it and the
+    learner's torch threads would both spin on every core. The rollout
+    server gets the first half of the cores, the learner the rest; the
+    reward server's sandboxes and the control plane are mostly idle. An
+    explicit setting in the environment wins (the caller's env is applied
+    after this).
+    """
+    cores = cores or os.cpu_count() or 1
+    rollout = max(1, cores // 2)
+    if service == "rollout":
+        return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{rollout - 1}" if rollout > 1 else "0"}
+    if service == "learner":
+        return {"OMP_NUM_THREADS": str(max(1, cores - rollout))}
+    return {}
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -25,11 +25,12 @@ Who sends what:
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Literal, TypeVar
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, field_validator, model_validator
 
 from broker.streams import Delivery, Stream
 from broker.weights import WeightVersion  # noqa: F401  (defined beside its registry; re-exported)
@@ -87,6 +88,15 @@ Extract = Literal["answer_tag", "boxed", "last_number", "whole"]
 ``\\boxed{...}`` (last one), the last number in the text, or the whole text."""
 
 
+def _valid_regex(value: str) -> str:
+    """A spec's pattern must compile (a bad one is the request's error, named by its field)."""
+    try:
+        re.compile(value)
+    except re.error as e:
+        raise ValueError(f"invalid regular expression: {e}") from e
+    return value
+
+
 class MathSpec(Wire):
     """Symbolic/numeric equivalence of the extracted answer and ``answer`` (math-verify)."""
 
@@ -121,6 +131,11 @@ class RegexSpec(Wire):
     type: Literal["regex"] = "regex"
     pattern: str = Field(min_length=1)
     mode: Literal["search", "fullmatch"] = "search"
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        return _valid_regex(value)
 
 
 class Limits(Wire):
@@ -173,6 +188,11 @@ class JudgeSpec(Wire):
     reference: str = ""
     score_pattern: str = r"Score:\s*([0-9]+(?:\.[0-9]+)?)"
     max_score: float = Field(default=10.0, gt=0)
+
+    @field_validator("score_pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        return _valid_regex(value)
 
 
 class WeightedSpec(Wire):

@@ -145,12 +145,12 @@ class Sandbox(ABC):
     isolated: bool = True
     """False only for the unsafe local backend."""
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Start warm resources (pools); optional."""
 
     @abstractmethod
     async def run(self, job: Job) -> list[RunOutcome]:
         """Run ``job``; raise :class:`SandboxError` on infrastructure failure."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Release every process and resource this sandbox owns."""

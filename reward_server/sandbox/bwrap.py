@@ -28,7 +28,15 @@ import shutil
 import signal
 import subprocess
 
-from reward_server.sandbox.base import GUEST_MOUNT, Job, RunOutcome, Sandbox, SandboxError, parse_answer, read_answer
+from reward_server.sandbox.base import (
+    GUEST_MOUNT,
+    Job,
+    RunOutcome,
+    Sandbox,
+    SandboxError,
+    parse_answer,
+    read_answer,
+)
 from reward_server.sandbox.gvisor import unanswered
 from reward_server.sandbox.runtime import discover
 

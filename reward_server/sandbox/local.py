@@ -15,7 +15,14 @@ import signal
 import sys
 import tempfile
 
-from reward_server.sandbox.base import Job, RunOutcome, Sandbox, SandboxError, parse_answer, read_answer
+from reward_server.sandbox.base import (
+    Job,
+    RunOutcome,
+    Sandbox,
+    SandboxError,
+    parse_answer,
+    read_answer,
+)
 from reward_server.sandbox.guest import GUEST_DIR
 
 

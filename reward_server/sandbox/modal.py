@@ -24,7 +24,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from reward_server.sandbox.base import GUEST_MOUNT, HEADER, Job, RunOutcome, Sandbox, SandboxError, parse_answer
+from reward_server.sandbox.base import (
+    GUEST_MOUNT,
+    HEADER,
+    Job,
+    RunOutcome,
+    Sandbox,
+    SandboxError,
+    parse_answer,
+)
 from reward_server.sandbox.guest import GUEST_DIR
 from reward_server.sandbox.pool import Pool
 
@@ -84,10 +92,11 @@ def outcome_of_exec(job: Job, returncode: int | None, stdout: bytes, stderr: str
 class ModalApi:
     """The thin layer over the ``modal`` package (async interface)."""
 
-    def __init__(self, options: ModalOptions) -> None:
-        import modal
+    def __init__(self, options: ModalOptions, modal_module: Any | None = None) -> None:
+        if modal_module is None:
+            import modal as modal_module  # the real SDK; tests pass a mock of it, named as such
 
-        self.modal = modal
+        modal = self.modal = modal_module
         self.options = options
         self.errors: tuple[type[BaseException], ...] = (modal.exception.Error,)
         self._app = None

@@ -18,8 +18,16 @@ from reward_server.verifiers.judge import Judge
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.result import infra, scored
 from services.wire import (
-    CombinedSpec, ExactSpec, JudgeSpec, MathSpec, NumericSpec, PythonTestsSpec, RegexSpec,
-    RewardSpec, ScoreItem, ScoreResult,
+    CombinedSpec,
+    ExactSpec,
+    JudgeSpec,
+    MathSpec,
+    NumericSpec,
+    PythonTestsSpec,
+    RegexSpec,
+    RewardSpec,
+    ScoreItem,
+    ScoreResult,
 )
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.fixtures.learner import add_group, read_jsonl, write_run_config
 
@@ -165,6 +166,16 @@ async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_pro
     assert st["version"] == published[-1] == killed_at + 1 + 4
     history = [w.version for w in await WeightRegistry(redis, keys).history()]
     assert history == published
+    # the resume version holds exactly the checkpointed weights: those the first learner published at step 2
+    from safetensors.torch import load_file
+
+    from learner import weights as store
+
+    at_ckpt = load_file(store.version_dir(run_dir / keys.run_id / "weights", 2) / store.WEIGHTS_FILE)
+    resumed = load_file(store.version_dir(run_dir / keys.run_id / "weights", killed_at + 1) / store.WEIGHTS_FILE)
+    after_kill = load_file(store.version_dir(run_dir / keys.run_id / "weights", killed_at) / store.WEIGHTS_FILE)
+    assert all(torch.equal(at_ckpt[k], resumed[k]) for k in at_ckpt)
+    assert not all(torch.equal(after_kill[k], resumed[k]) for k in at_ckpt)  # step 3's update was rolled back
     # checkpoint state survives: the pointer names the final step
     assert (run_dir / keys.run_id / "checkpoints" / "tandem-latest").read_text() == "step00000006"
     state = json.loads((Path(run_dir) / keys.run_id / "checkpoints" / "step00000006" / "learner-state.json").read_text())

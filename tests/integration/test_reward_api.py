@@ -59,6 +59,9 @@ async def test_malformed_requests(gvisor_server):
         no_tests = await client.post("/v1/score", json={"items": [
             {"id": "a", "completion": "x", "spec": {"type": "python_tests"}}]})
         assert no_tests.status_code == 422 and "items.0.spec" in no_tests.json()["message"]
+        bad_regex = await client.post("/v1/score", json={"items": [
+            {"id": "a", "completion": "x", "spec": {"type": "regex", "pattern": "(unclosed"}}]})
+        assert bad_regex.status_code == 422 and "items.0.spec.regex.pattern" in bad_regex.json()["message"]
         bad_type = await client.post("/v1/score", json={"items": [{"id": "a", "completion": "x", "spec": {"type": "vibes"}}]})
         assert bad_type.status_code == 422
         giant = await client.post("/v1/execute", json={"code": "#" * (65 << 20)})

@@ -41,7 +41,8 @@ async def test_fork_bomb(reward_server):
     code = "import os\nwhile True:\n    os.fork()\n"
     started = time.monotonic()
     result = await execute(reward_server, code)
-    assert result["status"] in ("runtime_error", "timeout"), result
+    # fork() fails with EAGAIN (process limit) or ENOMEM (address space): either is contained.
+    assert result["status"] in ("runtime_error", "timeout", "memory_limit"), result
     assert time.monotonic() - started < 15
     await still_fine(reward_server)
 

@@ -9,7 +9,7 @@ import shutil
 import httpx
 import pytest
 
-from services.wire import GenerateResponse, LoadWeights
+from services.wire import GenerateResponse
 
 PROMPT = "The answer is"
 
@@ -152,7 +152,7 @@ async def test_over_capacity_is_503_with_retry_after(rollout_engine, serve_app):
     from rollout_server import build_app
     from rollout_server.settings import RolloutSettings
 
-    settings = RolloutSettings(token=SecretStr("t"), max_n=8, max_pending_seqs=8)
+    settings = RolloutSettings(token=SecretStr("t"), max_n=8, max_pending_seqs=8, redis_url=None)
     async with serve_app(build_app(settings, engine=rollout_engine), token="t") as server:
         async with await _client(server) as c:
             body = {"prompt": PROMPT, "n": 8, "max_tokens": 200, "temperature": 1.0}

@@ -34,6 +34,10 @@ def test_written_file_is_standard_safetensors_with_its_sha256(tmp_path):
     raw = (w.path / store.WEIGHTS_FILE).read_bytes()
     assert w.sha256 == hashlib.sha256(raw).hexdigest() == store.digest(w.path)
     assert w.bytes == len(raw)
+    from services import weightstore  # the reader side's definition agrees
+
+    weightstore.verify(w.path, w.sha256)
+    assert weightstore.total_bytes(w.path) == w.bytes
     with safe_open(w.path / store.WEIGHTS_FILE, "pt") as f:
         assert f.metadata()["tandem_version"] == "3"
     meta = json.loads((w.path / store.META_FILE).read_text())

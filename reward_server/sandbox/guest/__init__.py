@@ -2,7 +2,8 @@
 
 ``agent.py`` is the in-sandbox supervisor (jobs in, verdicts out, over
 stdin/stdout frames); ``boot.py`` and ``harness.py`` are the launchers it
-starts untrusted programs with. The directory is mounted read-only into
+starts untrusted programs with; ``zygote.py`` forks them from a clean,
+pre-initialised interpreter in gVisor's long-lived sandboxes. The directory is mounted read-only into
 gVisor and bubblewrap sandboxes and copied into Modal images.
 """
 

@@ -34,6 +34,7 @@ MAX_FRAME = 512 << 20
 COMPILE_ERROR_EXIT = 97  # boot.py / harness.py: the program does not compile
 FIRST_UID = 20000
 CHUNK = 65536
+ZYGOTE = None  # serve mode: the clean pre-initialised Python that forks program runs
 
 
 def read_frame(stream):
@@ -42,7 +43,7 @@ def read_frame(stream):
         return None  # tandem closed the pipe: shut down
     (size,) = HEADER.unpack(head)
     if size > MAX_FRAME:
-        raise ValueError("frame of %d bytes" % size)
+        raise ValueError(f"frame of {size} bytes")
     body = stream.read(size)
     if len(body) < size:
         return None
@@ -93,6 +94,19 @@ def reap():
 def sweep(uid):
     """Kill every process the last run left behind, and reap them."""
     for _ in range(200):
+        if os.getpid() == 1 and ZYGOTE is not None and uid is not None:
+            # kill(-1) would take the zygote too: kill the job uid's processes one by one.
+            left = [p for p in other_pids() if owner(p) == uid]
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            reap()
+            if not left:
+                return True
+            time.sleep(0.002)
+            continue
         if os.getpid() == 1:
             # PID 1 of the sandbox's PID namespace: kill(-1) reaches every other process.
             try:
@@ -122,7 +136,7 @@ def sweep(uid):
 
 def owner(pid):
     try:
-        return os.stat("/proc/%d" % pid).st_uid
+        return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
 
@@ -130,68 +144,177 @@ def owner(pid):
 def classify(code, sig, stderr, killed_for, cpu_s, limits):
     tail = stderr[-4000:]
     if killed_for == "output":
-        return "output_limit", "output over %d bytes" % limits["output_bytes"]
+        return "output_limit", f"output over {limits['output_bytes']} bytes"
     if killed_for == "wall":
-        return "timeout", "wall time over %.1f s" % limits["wall_s"]
+        return "timeout", "wall time over {:.1f} s".format(limits["wall_s"])
     if sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and cpu_s >= limits["cpu_s"] * 0.95):
-        return "timeout", "cpu time over %.1f s" % limits["cpu_s"]
+        return "timeout", "cpu time over {:.1f} s".format(limits["cpu_s"])
     if sig == signal.SIGXFSZ or "File too large" in tail:
-        return "output_limit", "file over %d bytes" % limits["file_bytes"]
+        return "output_limit", f"file over {limits['file_bytes']} bytes"
     if "MemoryError" in tail or "Cannot allocate memory" in tail or "memory allocation failed" in tail:
-        return "memory_limit", "address space over %d MB" % limits["memory_mb"]
+        return "memory_limit", f"address space over {limits['memory_mb']} MB"
     if code == COMPILE_ERROR_EXIT:
         return "compile_error", tail.strip().splitlines()[-1] if tail.strip() else ""
     if sig is not None:
-        return "runtime_error", "killed by signal %d" % sig
+        return "runtime_error", f"killed by signal {sig}"
     if code != 0:
         lines = tail.strip().splitlines()
-        return "runtime_error", lines[-1] if lines else "exit status %d" % code
+        return "runtime_error", lines[-1] if lines else f"exit status {code}"
     return "ok", ""
+
+
+class PopenChild:
+    """A program started with fork+exec (any argv)."""
+
+    notify_fd = None
+
+    def __init__(self, argv, cwd, env, uid, limits, results_w):
+        as_user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            cwd=cwd, env=env, start_new_session=True, close_fds=True,
+            pass_fds=(results_w,) if results_w is not None else (),
+            preexec_fn=make_limiter(limits, 0 if uid is not None else 2), **as_user,
+        )
+        self.pid = self.proc.pid
+        self.stdin_fd, self.stdout_fd, self.stderr_fd = (
+            self.proc.stdin.fileno(), self.proc.stdout.fileno(), self.proc.stderr.fileno())
+
+    def poll(self):
+        pid, status, ru = os.wait4(self.pid, os.WNOHANG)
+        return (status, ru.ru_utime + ru.ru_stime) if pid else None
+
+    def wait(self):
+        _, status, ru = os.wait4(self.pid, 0)
+        return status, ru.ru_utime + ru.ru_stime
+
+    def close_stdin(self):
+        if not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
+    def close(self):
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if not f.closed:
+                f.close()
+
+
+class ZygoteChild:
+    """A launcher run forked from the zygote (no exec, no interpreter start-up)."""
+
+    def __init__(self, zygote, launcher, args, cwd, env, uid, limits, results_w):
+        self.zygote = zygote
+        in_r, self.stdin_fd = os.pipe()
+        self.stdout_fd, out_w = os.pipe()
+        self.stderr_fd, err_w = os.pipe()
+        fds = [in_r, out_w, err_w] + ([results_w] if results_w is not None else [])
+        req = {"launcher": launcher, "args": args, "cwd": cwd, "env": env, "uid": uid, "limits": limits}
+        try:
+            self.pid = zygote.spawn(req, fds)
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        self.notify_fd = zygote.sock.fileno()
+        self.stdin_open = True
+
+    def poll(self):
+        if self.zygote.ready() or select.select([self.notify_fd], [], [], 0)[0]:
+            return self.wait()
+        return None
+
+    def wait(self):
+        msg = self.zygote.read()
+        return msg["status"], msg["cpu"]
+
+    def close_stdin(self):
+        if self.stdin_open:
+            os.close(self.stdin_fd)
+            self.stdin_open = False
+
+    def close(self):
+        self.close_stdin()
+        for fd in (self.stdout_fd, self.stderr_fd):
+            os.close(fd)
+
+
+class ForkChild(PopenChild):
+    """One-shot mode: the launcher forked straight from this agent, which holds this job only."""
+
+    def __init__(self, launcher, args, cwd, env, uid, limits, results_w):
+        from zygote import child  # noqa: PLC0415 - the launchers load only when a run needs them
+
+        in_r, self.stdin_fd = os.pipe()
+        self.stdout_fd, out_w = os.pipe()
+        self.stderr_fd, err_w = os.pipe()
+        fds = [in_r, out_w, err_w] + ([results_w] if results_w is not None else [])
+        req = {"launcher": launcher, "args": args, "cwd": cwd, "env": env, "uid": uid, "limits": limits}
+        self.pid = os.fork()
+        if self.pid == 0:
+            child(req, fds, make_limiter, 0 if uid is not None else 2)
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        self.stdin_open = True
+
+    def close_stdin(self):
+        if self.stdin_open:
+            os.close(self.stdin_fd)
+            self.stdin_open = False
+
+    def close(self):
+        self.close_stdin()
+        for fd in (self.stdout_fd, self.stderr_fd):
+            os.close(fd)
+
+
+def launch(run, cwd, uid, env, limits, results_w):
+    argv = [a.replace("{guest}", HERE) for a in run["argv"]]
+    launcher = os.path.basename(argv[2]) if len(argv) > 2 and argv[1] == "-I" else None
+    if launcher in ("boot.py", "harness.py") and os.path.dirname(argv[2]) == HERE:
+        args = [a.replace("{results_fd}", "3") for a in argv[3:]]
+        if ZYGOTE is not None:
+            return ZygoteChild(ZYGOTE, launcher, args, cwd, env, uid, limits, results_w)
+        return ForkChild(launcher, args, cwd, env, uid, limits, results_w)
+    argv = [a.replace("{results_fd}", str(results_w)) for a in argv]
+    return PopenChild(argv, cwd, env, uid, limits, results_w)
 
 
 def run_one(run, limits, cwd, uid, env):
     """Run one program; return its verdict dict."""
-    argv = [a.replace("{guest}", HERE) for a in run["argv"]]
     results_r = results_w = None
     if run.get("results"):
         results_r, results_w = os.pipe()
-        argv = [a.replace("{results_fd}", str(results_w)) for a in argv]
-    as_user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
     start = time.monotonic()
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        cwd=cwd, env=env, start_new_session=True, close_fds=True,
-        pass_fds=(results_w,) if results_w is not None else (),
-        preexec_fn=make_limiter(limits, 0 if uid is not None else 2), **as_user,
-    )
-    if results_w is not None:
-        os.close(results_w)
+    try:
+        child = launch(run, cwd, uid, env, limits, results_w)
+    finally:
+        if results_w is not None:
+            os.close(results_w)
     stdin = run.get("stdin", "").encode()
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    out_fd, err_fd = child.stdout_fd, child.stderr_fd
     out = {out_fd: bytearray(), err_fd: bytearray()}
     results = bytearray()
     readers = list(out) + ([results_r] if results_r is not None else [])
-    writers = [proc.stdin.fileno()] if stdin else []
+    writers = [child.stdin_fd] if stdin else []
     if not stdin:
-        proc.stdin.close()
+        child.close_stdin()
+    notify = [child.notify_fd] if child.notify_fd is not None else []
     cap = int(limits["output_bytes"])
     deadline = start + float(limits["wall_s"])
     killed_for = None
-    status = rusage = None
+    exit_info = None
     exited_at = None
     written = 0
     while True:
         now = time.monotonic()
-        if status is None:
-            pid, st, ru = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                status, rusage, exited_at = st, ru, now
+        if exit_info is None:
+            exit_info = child.poll()
+            if exit_info is not None:
+                exited_at, notify = now, []
         if exited_at is not None and (not readers or now - exited_at > 0.1):
             break  # exited; a leftover background process may hold the pipes open
         if now >= deadline:
             killed_for = "wall"
             break
-        r, w, _ = select.select(readers, writers, [], min(0.02, deadline - now))
+        r, w, _ = select.select(readers + notify, writers, [], min(0.02, deadline - now))
         for fd in w:
             try:
                 written += os.write(fd, stdin[written:written + CHUNK])
@@ -199,8 +322,10 @@ def run_one(run, limits, cwd, uid, env):
                 written = len(stdin)  # the program closed its stdin: stop feeding it
             if written >= len(stdin):
                 writers.remove(fd)
-                proc.stdin.close()
+                child.close_stdin()
         for fd in r:
+            if fd in notify:
+                continue  # the exit notice: read by child.poll() at the top of the loop
             data = os.read(fd, CHUNK)
             if not data:
                 readers.remove(fd)
@@ -211,12 +336,13 @@ def run_one(run, limits, cwd, uid, env):
         if len(out[out_fd]) + len(out[err_fd]) > cap:
             killed_for = "output"
             break
-    if status is None:
+    if exit_info is None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(child.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _, status, rusage = os.wait4(proc.pid, 0)
+        exit_info = child.wait()
+    status, cpu = exit_info
     wall = time.monotonic() - start
     clean = sweep(uid)
     for fd in readers:  # whatever is still buffered (the writers are dead now)
@@ -226,9 +352,7 @@ def run_one(run, limits, cwd, uid, env):
             if not data:
                 break
             sink += data
-    for f in (proc.stdin, proc.stdout, proc.stderr):
-        if not f.closed:
-            f.close()
+    child.close()
     if results_r is not None:
         os.close(results_r)
     stdout, stderr = bytes(out[out_fd]), bytes(out[err_fd])
@@ -236,7 +360,6 @@ def run_one(run, limits, cwd, uid, env):
     stdout, stderr = stdout[:cap], stderr[: max(0, cap - len(stdout))]
     sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else None
-    cpu = rusage.ru_utime + rusage.ru_stime
     err = stderr.decode("utf-8", "replace")
     verdict, detail = classify(code, sig, err, killed_for, cpu, limits)
     return {
@@ -252,14 +375,14 @@ def run_one(run, limits, cwd, uid, env):
 def safe_path(root, rel):
     path = os.path.normpath(os.path.join(root, rel))
     if os.path.isabs(rel) or not path.startswith(root + os.sep):
-        raise ValueError("file path escapes the work dir: %r" % rel)
+        raise ValueError(f"file path escapes the work dir: {rel!r}")
     return path
 
 
 def run_job(job, serial, base):
     root = os.geteuid() == 0
     uid = FIRST_UID + serial % 40000 if root else None
-    cwd = os.path.join(base, "job%d" % serial)
+    cwd = os.path.join(base, f"job{serial}")
     os.makedirs(cwd, mode=0o700)
     try:
         for rel, text in job.get("files", {}).items():
@@ -300,11 +423,17 @@ def no_dumping():
 
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "--oneshot"
+    sys.path.insert(0, HERE)  # -I leaves the script's directory off sys.path: the launchers live here
     base = sys.argv[2] if len(sys.argv) > 2 else "/tmp"
     no_dumping()
     if mode == "--serve":
         harden()
         base = "/tmp/jobs"
+        if os.getpid() == 1 and os.geteuid() == 0 and "--no-zygote" not in sys.argv:
+            global ZYGOTE
+            from zygote import Zygote  # noqa: PLC0415 - only serve mode forks one, before any job
+
+            ZYGOTE = Zygote(make_limiter)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     serial = int(time.time() * 1000) % 100000 if mode == "--oneshot" else 0
     while True:
@@ -314,7 +443,7 @@ def main():
         try:
             answer = run_job(job, serial, base)
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as e:
-            answer = {"error": "%s: %s" % (type(e).__name__, e)}
+            answer = {"error": f"{type(e).__name__}: {e}"}
         write_frame(stdout, answer)
         serial += 1
         if mode == "--oneshot":

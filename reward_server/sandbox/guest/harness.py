@@ -42,12 +42,12 @@ def main() -> None:
     exec(code, namespace)  # an exception here fails every test: the process exits non-zero
     for i, test in enumerate(tests):
         try:
-            exec(compile(test, "<test %d>" % i, "exec"), namespace)
+            exec(compile(test, f"<test {i}>", "exec"), namespace)
             record = {"i": i, "ok": True, "error": ""}
         except AssertionError:
             record = {"i": i, "ok": False, "error": "AssertionError"}
         except Exception as e:  # noqa: BLE001 - any exception in a test is that test's failure
-            record = {"i": i, "ok": False, "error": "%s: %s" % (type(e).__name__, str(e)[:200])}
+            record = {"i": i, "ok": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
         out.write(json.dumps(record) + "\n")
     out.flush()
     sys.stdout.flush()
