@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -47,8 +48,27 @@ def redis_server_binary() -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand out by itself.
+
+    Ports come from below the ephemeral range: a port picked from inside it
+    (``bind(0)``) can be taken by any other ``bind(0)`` before our server
+    binds it, and vLLM's engine binds several while it starts, for tens of
+    seconds, before uvicorn binds the service's port.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range is taken: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
