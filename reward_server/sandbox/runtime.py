@@ -22,6 +22,10 @@ from reward_server.sandbox.base import GUEST_MOUNT
 from reward_server.sandbox.guest import GUEST_DIR
 
 LDD_PATH = re.compile(r"(/\S+\.so[^\s]*)")
+# Discovery runs with a clean environment: LD_PRELOAD / LD_LIBRARY_PATH of this process (vLLM
+# sets LD_PRELOAD for its OpenMP and allocator libraries in the venv) would otherwise pull host
+# directories such as the venv into the sandbox's root.
+CLEAN_ENV = {"PATH": os.defpath}
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,8 @@ def _shared_lib_dirs(paths: list[str]) -> set[str]:
     dirs: set[str] = set()
     for chunk in range(0, len(paths), 64):
         out = subprocess.run(
-            ["ldd", *paths[chunk : chunk + 64]], capture_output=True, text=True, timeout=30, check=False
+            ["ldd", *paths[chunk : chunk + 64]], capture_output=True, text=True, timeout=30, check=False,
+            env=CLEAN_ENV,
         ).stdout
         for lib in LDD_PATH.findall(out):
             if os.path.exists(lib):
@@ -57,7 +62,9 @@ def discover(python: str = "/usr/bin/python3") -> RuntimeLayout:
         "print(json.dumps([p['stdlib'],p['platstdlib'],sysconfig.get_config_var('DESTSHARED') or '']))"
     )
     stdlib, platstdlib, dynload = json.loads(
-        subprocess.run([exe, "-I", "-c", probe], capture_output=True, text=True, timeout=30, check=True).stdout
+        subprocess.run(
+            [exe, "-I", "-c", probe], capture_output=True, text=True, timeout=30, check=True, env=CLEAN_ENV
+        ).stdout
     )
     trees = sorted({os.path.realpath(p) for p in (stdlib, platstdlib, dynload) if p and os.path.isdir(p)})
     # Drop trees nested in another one (lib-dynload inside the stdlib).
