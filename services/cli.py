@@ -113,9 +113,8 @@ def bootstrap_model(
     seed: Annotated[int, typer.Option(help="Seed (the build is deterministic).")] = 0,
 ) -> None:
     """Build the small example policy offline (random Qwen3 + a short supervised cold start)."""
-    from services.progress import progress_bar
-
     from learner.bootstrap import SFT_STEPS, bootstrap
+    from services.progress import progress_bar
 
     if not data.exists():
         _fail(f"{data}: no such prompt set")

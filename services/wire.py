@@ -30,7 +30,15 @@ from typing import Annotated, Literal, TypeVar
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, WrapValidator, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 
 from broker.streams import Delivery, Stream
 from broker.weights import WeightVersion  # noqa: F401  (defined beside its registry; re-exported)

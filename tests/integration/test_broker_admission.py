@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 import time
+import uuid
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -35,6 +35,7 @@ async def test_rollout_server_loads_a_published_version(one_rank_runs, rollout_s
     report = json.loads(run.with_name(run.name + ".json").read_text())
     version = weight_versions.next_version()
     written = store.write_version(tmp_path / "weights", version, load_file(run), step=2)
+    weight_versions.dirs[version] = written.path  # the shared engine serves it from now on: later tests look it up
     # the learner's own (DeepSpeed) log-probs of a fixed sequence are what its published weights give
     probe = report["probe"]
     assert hf_logprobs(written.path, probe[:1], probe[1:]) == pytest.approx(report["probe_logprobs"], abs=2e-4)
