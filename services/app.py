@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -258,6 +257,3 @@ def serve(app: FastAPI, settings: ServiceSettings) -> None:
 
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)
 
-
-def error_body(e: Exception) -> str:
-    return json.dumps({"detail": str(e)})

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -47,7 +47,6 @@ class Child:
     restarts: int = 0
     started_at: float = 0.0
     log_thread: threading.Thread | None = None
-    history: list[int] = field(default_factory=list)
 
     @property
     def url(self) -> str:
