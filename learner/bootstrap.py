@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ALPHABET = "0123456789+-*=<>/answer "
-SFT_STEPS = 320
-"""Supervised steps of the cold start. Measured on examples/arith (seed 0): 300 steps give 11%
-held-out greedy accuracy, 320 give 31.5%, 340 give 60%, 400 give 74% (200 held-out prompts)."""
+SFT_STEPS = 450
+"""Supervised steps of the cold start. Measured on examples/arith (seed 0, 200 held-out prompts,
+greedy): 400 steps give 12.5%, 425 give 21.5%, 450 give 30.5%."""
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class Recipe:
     data: str
     steps: int = SFT_STEPS
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3
     hidden: int = 128
-    layers: int = 2
+    layers: int = 4
     heads: int = 4
     kv_heads: int = 2
     seed: int = 0
@@ -115,7 +115,7 @@ def _train(out: Path, staging: Path, pairs, tok, recipe: Recipe, progress) -> Pa
     model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.0, 1 - s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))  # warm-up, then constant
     rng = random.Random(seed)
     eos = tok.eos_token_id
     start = time.monotonic()

@@ -86,7 +86,7 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
             time.sleep(1)
         info = json.loads(info_file.read_text())
         urls, token = info["urls"], info["token"]
-        items = load_eval_set(config.data.eval, config, 100)
+        items = load_eval_set(config.data.eval, config, None)
 
         async def measure() -> float:
             async with RolloutClient(urls["rollout"], token) as r, RewardClient(urls["reward"], token) as s:
@@ -149,6 +149,5 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     pids = info["pids"]
     assert pids and not [p for p in pids if _alive(p)], "a service outlived tandem up"
     assert not _group_members(set(pids)), "a process of a service's group outlived tandem up"
-    if after <= before:
-        # reported as XFAIL, never as a pass: the pipeline works, the example's GRPO is not tuned yet
-        pytest.xfail(f"held-out accuracy did not rise ({before:.3f} -> {after:.3f}); see issue 6")
+    # 200 held-out prompts (one is 0.5 points): a 5-point margin is not rounding luck
+    assert after >= before + 0.05, f"held-out accuracy did not rise: {before:.3f} -> {after:.3f}"
