@@ -15,7 +15,7 @@ EXTRAS := cpu,learner,reward,report,modal
 .PHONY: run test demo bench lint clean
 
 run: $(STAMPS)/install
-	$(VENV)/bin/tandem demo
+	$(VENV)/bin/tandem run examples/arith/run.toml
 
 test: $(STAMPS)/dev
 	$(PY) -m pytest -q -ra

@@ -1,4 +1,4 @@
-"""`tandem demo` (what `make run` runs until the main job lands) end to end."""
+"""`tandem demo` (the broker demo: producers, a consumer, the staleness rule) end to end."""
 
 from __future__ import annotations
 
