@@ -412,6 +412,22 @@ class Engine:
             )
             return self.status()
 
+    async def reset_to_base(self) -> WeightsStatus:
+        """Serve the model directory's own weights again, as version 0 (a new run starts from them).
+
+        A no-op when nothing newer was loaded since start-up.
+        """
+        base = LoadWeights(version=0, uri=str(self.model_dir))
+        async with self._reload_lock:
+            if self.version == 0 and self.uri == base.uri:
+                return self.status()
+            if not self.alive:
+                raise EngineDead(self.dead_reason or "engine is down")
+            transport = self._transport(base.uri)
+            await self._apply(transport, await transport.prepare(base))
+            log.info("back on the base weights of %s (version 0)", self.model_dir)
+            return self.status()
+
     async def _apply(self, transport: WeightTransport, prepared: Prepared) -> None:
         request = prepared.request
         # "wait": in-flight requests finish on the old weights; new ones queue (module docstring)

@@ -5,7 +5,9 @@ docker-compose) polls the run registry (``services.runs.RunStore``). When a
 run becomes active it starts an :class:`~rollout_server.actor.Actor` with
 the config the run was submitted with, reports its throughput and idle
 fraction to the run's metrics log every few seconds, and stops the actor
-once the run is no longer live (finished, stopped, failed). A run whose
+once the run is no longer live (finished, stopped, failed). Each run starts
+from the model directory's own weights (version 0), whatever the previous
+run left loaded. A run whose
 model is not the one this server serves is not served (the learner and the
 control plane report the run's state; this server logs why).
 """
@@ -56,6 +58,7 @@ async def follow_runs(
                           run.run_id, config.model.path, engine.model_dir)
                 refused = run.run_id
                 continue
+            await engine.reset_to_base()  # a previous run left its last version loaded
             actor = Actor(engine, redis=redis, keys=Keys(run.run_id), config=config, reward=reward,
                           server_id=rs.name, metrics=metrics, concurrency=rs.actor_concurrency)
             task = asyncio.create_task(actor.run(), name=f"actor-{run.run_id}")

@@ -284,3 +284,22 @@ async def test_missing_weight_copy_does_not_break_later_loads(rollout_server, we
         assert r.status_code == 404
         r = await c.post("/v1/weights", json={**gone.model_dump(), "uri": moved.as_uri()})
         assert r.status_code == 200 and r.json()["version"] == gone.version
+
+
+async def test_reset_to_base_serves_the_model_directory_again(rollout_server, rollout_engine, weight_versions,
+                                                              hf_logprobs):
+    """A new run on a long-lived server starts from the base weights, not the previous run's last version."""
+    async with await _client(rollout_server) as c:
+        req = weight_versions.make(seed=108)
+        assert (await c.post("/v1/weights", json=req.model_dump())).status_code == 200
+        assert (await rollout_engine.reset_to_base()).version == 0
+        assert await _version(c) == 0
+        out = await _generate(c, prompt=PROMPT, n=2, max_tokens=16, temperature=1.0, seed=5)
+        for s in out.samples:
+            assert s.policy_version == 0
+            ref = hf_logprobs(weight_versions.base_model, out.prompt_token_ids, s.token_ids)
+            assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 2e-3
+        # newer versions load again afterwards
+        nxt = weight_versions.make(seed=109)
+        r = await c.post("/v1/weights", json=nxt.model_dump())
+        assert r.status_code == 200 and r.json()["version"] == nxt.version
