@@ -8,7 +8,7 @@ command imports what it needs when it runs.
 from __future__ import annotations
 
 import importlib
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +23,7 @@ app = typer.Typer(
 )
 
 
-class ServiceName(str, Enum):
+class ServiceName(StrEnum):
     control = "control"
     rollout = "rollout"
     reward = "reward"
