@@ -12,12 +12,13 @@
   console and to ``<run_dir>/logs/NAME.log``;
 - restarts a service that exits unexpectedly, with exponential back-off, at
   most ``max_restarts`` times per service; beyond that the stack fails;
-- on :meth:`stop` (Ctrl-C, SIGTERM) ends every child's process group
-  (SIGTERM, then SIGKILL after a grace period) and then Redis.
+- on :meth:`stop` (Ctrl-C, SIGTERM) sends SIGTERM to each service, SIGKILL
+  to its whole process group after a grace period, then stops Redis.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -199,8 +200,12 @@ class Stack:
         with self._lock:
             self._stopping.set()
             alive = [c for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
+            # SIGTERM to each service's own process only: it shuts its children down in order (the
+            # rollout server stops vLLM's engine core itself; a group-wide SIGTERM killed the core
+            # under it and turned a clean stop into an engine-death exit). The group gets SIGKILL below.
             for child in reversed(alive):
-                _signal_group(child.proc, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for child in alive:
                 try:
