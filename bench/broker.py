@@ -10,7 +10,8 @@ the comparison in the same run:
           connections (producers + consumers), and with its default 50;
 - tandem: producer processes build and encode realistic trajectory groups
           (G = 8 completions of 512 tokens, token ids + behaviour log-probs)
-          and add them to the trajectories stream; consumer processes read
+          and add them to the trajectories stream, ``--inflight`` at a time
+          each (the actor hands off many groups concurrently); consumer processes read
           them through the consumer group, decode and validate them, and
           ack them (idempotency set, ticket release) in batches.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import os
 import random
 import re
 import shutil
@@ -58,27 +60,36 @@ def make_group(group_id: str, rng: random.Random, g: int, tokens: int) -> wire.T
     )
 
 
-def _producer(url: str, worker: int, count: int, g: int, tokens: int, start: mp.Event) -> None:
+def _producer(url: str, worker: int, count: int, g: int, tokens: int, inflight: int, start: mp.Event,
+              cpu: mp.Value) -> None:
     async def main():
         rng = random.Random(worker)
         template = make_group("t", rng, g, tokens)
         redis = connect(url)
         stream = Stream.trajectories(redis, Keys(RUN))
+
+        async def lane(lane_no: int):  # like one of the actor's concurrent groups
+            for i in range(lane_no, count, inflight):
+                group = template.model_copy(update={"group_id": f"p{worker}-{i}"})
+                await stream.add(Envelope(group.group_id, group.policy_version, wire.encode(group)))
+
         start.wait()
-        for i in range(count):
-            group = template.model_copy(update={"group_id": f"p{worker}-{i}"})
-            await stream.add(Envelope(group.group_id, group.policy_version, wire.encode(group)))
+        t0 = time.process_time()
+        await asyncio.gather(*(lane(k) for k in range(inflight)))
+        with cpu.get_lock():
+            cpu.value += time.process_time() - t0
         await redis.aclose()
 
     asyncio.run(main())
 
 
-def _consumer(url: str, worker: int, total: int, start: mp.Event, done: mp.Value) -> None:
+def _consumer(url: str, worker: int, total: int, start: mp.Event, done: mp.Value, cpu: mp.Value) -> None:
     async def main():
         redis = connect(url)
         keys = Keys(RUN)
         stream = Stream.trajectories(redis, keys)
         start.wait()
+        t0 = time.process_time()
         while True:
             batch = await stream.read(f"c{worker}", count=32, block_ms=100)
             good = [d for d in batch if await wire.decode_delivery(stream, d, wire.TrajectoryGroup)]
@@ -87,6 +98,8 @@ def _consumer(url: str, worker: int, total: int, start: mp.Event, done: mp.Value
                 break
         with done.get_lock():
             done.value = time.perf_counter()
+        with cpu.get_lock():
+            cpu.value += time.process_time() - t0
         await redis.aclose()
 
     asyncio.run(main())
@@ -129,6 +142,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=4000)
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--consumers", type=int, default=2)
+    ap.add_argument("--inflight", type=int, default=8,
+                    help="concurrent adds per producer (the actor hands off up to actor_concurrency groups at once)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
     args = ap.parse_args()
@@ -154,15 +169,17 @@ def main() -> None:
 
         ctx = mp.get_context("spawn")
         start, done = ctx.Event(), ctx.Value("d", 0.0)
+        prod_cpu, cons_cpu = ctx.Value("d", 0.0), ctx.Value("d", 0.0)
         per = args.groups // args.producers
         total = per * args.producers
-        procs = [ctx.Process(target=_producer, args=(server.url, w, per, args.group_size, args.tokens, start))
+        procs = [ctx.Process(target=_producer, args=(server.url, w, per, args.group_size, args.tokens, args.inflight, start, prod_cpu))
                  for w in range(args.producers)]
-        procs += [ctx.Process(target=_consumer, args=(server.url, w, total, start, done))
+        procs += [ctx.Process(target=_consumer, args=(server.url, w, total, start, done, cons_cpu))
                   for w in range(args.consumers)]
         for p in procs:
             p.start()
         time.sleep(3.0)  # let every process import and connect before the clock starts
+        redis_cpu0 = _cpu_seconds(server.proc.pid)
         began = time.perf_counter()
         start.set()
         for p in procs:
@@ -170,6 +187,7 @@ def main() -> None:
             if p.exitcode != 0:
                 raise SystemExit(f"bench worker {p.name} failed with exit code {p.exitcode}")
         tandem = total / (done.value - began)
+        redis_ms = (_cpu_seconds(server.proc.pid) - redis_cpu0) / total * 1e3
 
     mb = size / 1e6
     print(f"payload: one trajectory group = G {args.group_size} x {args.tokens} tokens = {size} bytes encoded")
@@ -183,6 +201,16 @@ def main() -> None:
     for name, rate in rows:
         print(f"{name:<58} {rate:>10.0f} {rate * mb:>8.1f} {rate / raw_same:>7.0%}")
     print(f"tandem / raw XADD ({conns} clients): {tandem / raw_same:.0%}   (target >= 50%)")
+    prod_ms, cons_ms = prod_cpu.value / total * 1e3, cons_cpu.value / total * 1e3
+    print(f"CPU per group on the tandem path: producers {prod_ms:.2f} ms (encode + add), consumers {cons_ms:.2f} ms "
+          f"(read + decode/validate + ack), redis-server {redis_ms:.2f} ms; "
+          f"{os.cpu_count()} cores -> at most {os.cpu_count() / (prod_ms + cons_ms + redis_ms) * 1e3:.0f} groups/s")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
