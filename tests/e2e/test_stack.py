@@ -137,6 +137,7 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
 
         asyncio.run(load_final())
         after = asyncio.run(measure())
+        print(f"held-out accuracy {before:.3f} -> {after:.3f} after {STEPS} steps")
     finally:
         up.send_signal(signal.SIGTERM)
         try:
