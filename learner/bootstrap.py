@@ -8,6 +8,12 @@ is ``<answer>{answer}</answer>`` followed by end-of-sequence. The cold start
 teaches the format and part of the task, so GRPO starts from a modest
 held-out accuracy and has something to improve.
 
+The recipe is chosen for that: 4 layers, a constant learning rate after a
+short warm-up, stopped part-way through the rise of held-out accuracy. A
+first recipe (2 layers, learning rate decayed to zero, also ~30%) sat in a
+minimum so sharp that GRPO's noisy updates lost accuracy at every learning
+rate tried; this one gains 40-50 points in the example's 150 steps.
+
 Deterministic from the seed. The result is cached: a directory whose
 ``tandem.json`` records the same recipe is reused as it is.
 """

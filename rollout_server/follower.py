@@ -7,9 +7,9 @@ the config the run was submitted with, reports its throughput and idle
 fraction to the run's metrics log every few seconds, and stops the actor
 once the run is no longer live (finished, stopped, failed). Each run starts
 from the model directory's own weights (version 0), whatever the previous
-run left loaded. A run whose
-model is not the one this server serves is not served (the learner and the
-control plane report the run's state; this server logs why).
+run left loaded. A run whose model is not the one this server serves is not
+served (the learner and the control plane report the run's state; this
+server logs why).
 """
 
 from __future__ import annotations
