@@ -8,10 +8,11 @@ in flight (continuous batching), so the server never serialises requests.
 **Log-probabilities.** Every sample carries the log-probability of each
 sampled token (``SamplingParams(logprobs=0)`` returns exactly the sampled
 token's). The engine is started with ``logprobs_mode`` from the settings:
-``raw_logprobs`` (default) is ``log_softmax(logits)`` of the model before
-temperature, top-k and top-p, i.e. the policy at temperature 1, which is what
-the learner recomputes; ``processed_logprobs`` is of the distribution
-actually sampled from. With temperature 1 and no truncation (the run config's
+``processed_logprobs`` (default) is of the distribution actually sampled
+from, ``log_softmax(logits / T)`` after top-k/top-p: the behaviour policy,
+which the learner recomputes (its logits divided by the run's temperature);
+``raw_logprobs`` is ``log_softmax(logits)`` whatever the sampling
+parameters. With temperature 1 and no truncation (the run config's
 defaults) the two are equal.
 
 **Weight reloads and requests in flight.** :meth:`Engine.load_weights`

@@ -49,12 +49,13 @@ class RolloutSettings(ServiceSettings):
     max_num_seqs: int | None = Field(default=None, ge=1, validation_alias=_env("max_num_seqs"))
     """Sequences the engine batches in one step (vLLM ``max_num_seqs``); default vLLM's."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        default="raw_logprobs", validation_alias=_env("logprobs_mode")
+        default="processed_logprobs", validation_alias=_env("logprobs_mode")
     )
-    """Which log-probabilities ``Sample.logprobs`` holds. ``raw_logprobs``: log-softmax of
-    the model's logits, before temperature / top-k / top-p, i.e. the policy at
-    temperature 1, which is what the learner recomputes. ``processed_logprobs``: of the
-    distribution actually sampled from (after temperature and truncation)."""
+    """Which log-probabilities ``Sample.logprobs`` holds. ``processed_logprobs`` (default):
+    of the distribution actually sampled from (``softmax(logits / T)`` after top-k/top-p),
+    the behaviour policy the learner's ratio needs (it divides its logits by T).
+    ``raw_logprobs``: log-softmax of the model's logits whatever the sampling parameters
+    (the temperature-1 policy); wrong for training at T != 1."""
     seed: int = Field(default=0, validation_alias=_env("seed"))
     """Engine seed (requests without a seed draw from it)."""
     actor_concurrency: int = Field(default=32, ge=1, validation_alias=_env("actor_concurrency"))

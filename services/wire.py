@@ -352,9 +352,9 @@ class GenerateResponse(Wire):
     prompt_token_ids: list[int]
     samples: list[Sample]
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        default="raw_logprobs",
-        description="What samples[].logprobs are: 'raw_logprobs' = log-softmax of the model's logits "
-        "(temperature 1, no top-k/top-p), 'processed_logprobs' = of the distribution sampled from.",
+        default="processed_logprobs",
+        description="What samples[].logprobs are: 'processed_logprobs' = of the distribution sampled from "
+        "(after temperature, top-k, top-p), 'raw_logprobs' = log-softmax of the model's logits (temperature 1).",
     )
 
 

@@ -57,7 +57,7 @@ async def test_generate_n8_shapes_and_logprobs_match_hf(rollout_server, hf_logpr
     async with await _client(rollout_server) as c:
         version = await _version(c)
         out = await _generate(c, prompt=PROMPT, n=8, max_tokens=24, temperature=1.0, seed=7)
-    assert out.logprobs_mode == "raw_logprobs"
+    assert out.logprobs_mode == "processed_logprobs"
     assert out.prompt_token_ids == rollout_server.app.state.engine.tokenize(PROMPT)
     assert len(out.samples) == 8
     assert len({tuple(s.token_ids) for s in out.samples}) > 1, "8 samples at temperature 1 should differ"
@@ -71,12 +71,15 @@ async def test_generate_n8_shapes_and_logprobs_match_hf(rollout_server, hf_logpr
         _assert_matches_hf(hf_logprobs, weight_versions, out.prompt_token_ids, s)
 
 
-async def test_raw_logprobs_ignore_temperature_and_top_k(rollout_server, hf_logprobs, weight_versions):
-    """raw_logprobs are of the temperature-1 policy whatever the sampling parameters."""
+async def test_logprobs_are_of_the_tempered_distribution_sampled_from(rollout_server, hf_logprobs, weight_versions):
+    """processed_logprobs (the default) = log_softmax(logits / T): what the learner recomputes at T."""
     async with await _client(rollout_server) as c:
-        out = await _generate(c, prompt_token_ids=[10, 11, 12], n=4, max_tokens=16, temperature=0.6, top_k=20, top_p=0.9)
+        out = await _generate(c, prompt_token_ids=[10, 11, 12], n=4, max_tokens=16, temperature=0.6, seed=3)
     for s in out.samples:
-        _assert_matches_hf(hf_logprobs, weight_versions, [10, 11, 12], s)
+        ref = hf_logprobs(weight_versions.dir_of(s.policy_version), [10, 11, 12], s.token_ids, temperature=0.6)
+        t1 = hf_logprobs(weight_versions.dir_of(s.policy_version), [10, 11, 12], s.token_ids)
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 2e-3
+        assert max(abs(a - b) for a, b in zip(s.logprobs, t1, strict=True)) > 1e-2  # not the temperature-1 policy
 
 
 async def test_seed_makes_sampling_repeatable(rollout_server):
