@@ -33,7 +33,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -107,22 +106,6 @@ def start_server(model: Path, port: int, token: str, log: Path) -> subprocess.Po
         )
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
-        return
-
-
 async def bench_tandem(url: str, token: str, prompt_ids, n, max_tokens, repeats, versions: list[tuple[int, Path]]):
     import httpx
 
@@ -183,6 +166,7 @@ def main() -> None:
 
     from broker.embedded import free_port
     from learner.tiny import char_tokenizer, parameter_count
+    from services.supervisor import stop_group
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-bench-rollout-"))
     model = work / "model"
@@ -229,7 +213,7 @@ def main() -> None:
             bench_tandem(f"http://127.0.0.1:{port}", token, prompt_ids, args.samples, args.max_tokens, args.repeats, versions)
         )
     finally:
-        stop_server(proc)
+        stop_group(proc)
     print(f"(b) done: {b[0]} tokens in {b[1]:.2f}s", flush=True)
 
     c = bench_hf(model, prompt_ids, args.samples, args.max_tokens, args.repeats, args.hf_threads)

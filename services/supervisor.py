@@ -258,6 +258,21 @@ def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:
     return {}
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """End a service started in its own process group; return its exit status.
+
+    SIGTERM goes to the service's own process, which shuts its children down
+    in order; after it exits, or after ``grace_s``, the whole group gets
+    SIGKILL (stragglers). :meth:`Stack.stop` does the same for every child at once.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    _signal_group(proc, signal.SIGKILL)
+    return proc.wait(timeout=30)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)

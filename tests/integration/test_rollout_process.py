@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,28 +18,10 @@ import pytest
 from broker import Envelope, Stream
 from broker.embedded import free_port
 from services import wire
+from services.supervisor import stop_group
 from tests.fixtures.rollout import TOKEN
 
 pytestmark = pytest.mark.slow
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """End the server's whole process group (it holds vLLM's engine-core and worker)."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # the leader is gone; children may linger a moment
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
 
 
 def _tail(log: Path) -> str:
@@ -138,4 +119,4 @@ max_staleness = 1
         rc = proc.wait(timeout=60)
         assert rc != 0, _tail(log)
     finally:
-        _end(proc)
+        stop_group(proc)

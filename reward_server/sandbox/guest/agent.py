@@ -198,23 +198,41 @@ class PopenChild:
                 f.close()
 
 
-class ZygoteChild:
+class RawPipes:
+    """stdin/stdout/stderr of a child held as raw pipe descriptors."""
+
+    def open_pipes(self, results_w):
+        """Make the three pipes; return the descriptors the child gets (the caller closes the first three)."""
+        in_r, self.stdin_fd = os.pipe()
+        self.stdout_fd, out_w = os.pipe()
+        self.stderr_fd, err_w = os.pipe()
+        self.stdin_open = True
+        return [in_r, out_w, err_w] + ([results_w] if results_w is not None else [])
+
+    def close_stdin(self):
+        if self.stdin_open:
+            os.close(self.stdin_fd)
+            self.stdin_open = False
+
+    def close(self):
+        self.close_stdin()
+        for fd in (self.stdout_fd, self.stderr_fd):
+            os.close(fd)
+
+
+class ZygoteChild(RawPipes):
     """A launcher run forked from the zygote (no exec, no interpreter start-up)."""
 
     def __init__(self, zygote, launcher, args, cwd, env, uid, limits, results_w):
         self.zygote = zygote
-        in_r, self.stdin_fd = os.pipe()
-        self.stdout_fd, out_w = os.pipe()
-        self.stderr_fd, err_w = os.pipe()
-        fds = [in_r, out_w, err_w] + ([results_w] if results_w is not None else [])
+        fds = self.open_pipes(results_w)
         req = {"launcher": launcher, "args": args, "cwd": cwd, "env": env, "uid": uid, "limits": limits}
         try:
             self.pid = zygote.spawn(req, fds)
         finally:
-            for fd in (in_r, out_w, err_w):
+            for fd in fds[:3]:
                 os.close(fd)
         self.notify_fd = zygote.sock.fileno()
-        self.stdin_open = True
 
     def poll(self):
         if self.zygote.ready() or select.select([self.notify_fd], [], [], 0)[0]:
@@ -225,43 +243,19 @@ class ZygoteChild:
         msg = self.zygote.read()
         return msg["status"], msg["cpu"]
 
-    def close_stdin(self):
-        if self.stdin_open:
-            os.close(self.stdin_fd)
-            self.stdin_open = False
 
-    def close(self):
-        self.close_stdin()
-        for fd in (self.stdout_fd, self.stderr_fd):
-            os.close(fd)
-
-
-class ForkChild(PopenChild):
+class ForkChild(RawPipes, PopenChild):
     """One-shot mode: the launcher forked straight from this agent, which holds this job only."""
 
     def __init__(self, launcher, args, cwd, env, uid, limits, results_w):
         from zygote import child  # noqa: PLC0415 - the launchers load only when a run needs them
 
-        in_r, self.stdin_fd = os.pipe()
-        self.stdout_fd, out_w = os.pipe()
-        self.stderr_fd, err_w = os.pipe()
-        fds = [in_r, out_w, err_w] + ([results_w] if results_w is not None else [])
+        fds = self.open_pipes(results_w)
         req = {"launcher": launcher, "args": args, "cwd": cwd, "env": env, "uid": uid, "limits": limits}
         self.pid = os.fork()
         if self.pid == 0:
             child(req, fds, make_limiter, 0 if uid is not None else 2)
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
-        self.stdin_open = True
-
-    def close_stdin(self):
-        if self.stdin_open:
-            os.close(self.stdin_fd)
-            self.stdin_open = False
-
-    def close(self):
-        self.close_stdin()
-        for fd in (self.stdout_fd, self.stderr_fd):
+        for fd in fds[:3]:
             os.close(fd)
 
 
