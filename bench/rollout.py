@@ -166,7 +166,7 @@ def main() -> None:
 
     from broker.embedded import free_port
     from learner.tiny import char_tokenizer, parameter_count
-    from services.supervisor import stop_group
+    from services.supervisor import stop_group, wait_healthy
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-bench-rollout-"))
     model = work / "model"
@@ -195,20 +195,7 @@ def main() -> None:
     port, token = free_port(), "bench-token"
     proc = start_server(model, port, token, work / "server.log")
     try:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited: {(work / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("server did not become healthy")
-            time.sleep(0.5)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 300, work / "server.log")
         b, reloads = asyncio.run(
             bench_tandem(f"http://127.0.0.1:{port}", token, prompt_ids, args.samples, args.max_tokens, args.repeats, versions)
         )

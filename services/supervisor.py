@@ -150,21 +150,11 @@ class Stack:
                 self.echo(f"[{child.name}] {line}")
 
     def _wait_healthy(self, child: Child) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S.get(child.name, 120)
-        while time.monotonic() < deadline:
-            if child.proc.poll() is not None:
-                raise StackError(
-                    f"{child.name} exited with code {child.proc.returncode} while starting; "
-                    f"see {self.run_dir / 'logs' / (child.name + '.log')}"
-                )
-            try:
-                if httpx.get(f"{child.url}/healthz", timeout=2.0).status_code == 200:
-                    self.echo(f"[stack] {child.name} ready at {child.url}")
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise StackError(f"{child.name} did not become healthy in {START_TIMEOUT_S.get(child.name, 120)} s")
+        try:
+            wait_healthy(child.proc, child.url, START_TIMEOUT_S.get(child.name, 120))
+        except StackError as e:
+            raise StackError(f"{child.name} {e}; see {self.run_dir / 'logs' / (child.name + '.log')}") from None
+        self.echo(f"[stack] {child.name} ready at {child.url}")
 
     # -- supervise ---------------------------------------------------------
 
@@ -256,6 +246,26 @@ def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:
     if service == "learner":
         return {"OMP_NUM_THREADS": str(max(1, cores - rollout))}
     return {}
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path | None = None) -> None:
+    """Wait until ``url``/healthz answers 200; :class:`StackError` if ``proc`` exits first or
+    ``timeout_s`` passes (with the tail of ``log`` when given)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            problem = f"exited with code {proc.returncode} while starting"
+            break
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            problem = f"did not become healthy in {timeout_s:g} s"
+            break
+        time.sleep(0.3)
+    if log is not None:
+        problem += "\n" + log.read_bytes()[-3000:].decode(errors="replace")
+    raise StackError(problem)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> int:

@@ -9,14 +9,13 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from broker.embedded import free_port
+from services.supervisor import stop_group, wait_healthy
 from tests.fixtures.rollout import TOKEN, tiny_arch
-from tests.integration.test_rollout_process import _end, _tail
 
 pytestmark = [
     pytest.mark.slow,
@@ -39,24 +38,15 @@ async def test_architecture_serves_with_logprobs_matching_hf(kind, tmp_path):
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
+        await asyncio.to_thread(wait_healthy, proc, f"http://127.0.0.1:{port}", 300, log)
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
         ) as c:
-            deadline = time.monotonic() + 300
-            while True:
-                assert proc.poll() is None, _tail(log)
-                assert time.monotonic() < deadline, _tail(log)
-                try:
-                    if (await c.get("/healthz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.5)
             r = await c.post("/v1/generate", json={"prompt_token_ids": [10, 11, 12], "n": 2, "max_tokens": 16, "seed": 1})
             assert r.status_code == 200, r.text
             samples = r.json()["samples"]
     finally:
-        _end(proc)
+        stop_group(proc)
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
     for s in samples:
         with torch.no_grad():

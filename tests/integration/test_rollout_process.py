@@ -18,7 +18,7 @@ import pytest
 from broker import Envelope, Stream
 from broker.embedded import free_port
 from services import wire
-from services.supervisor import stop_group
+from services.supervisor import stop_group, wait_healthy
 from tests.fixtures.rollout import TOKEN
 
 pytestmark = pytest.mark.slow
@@ -70,18 +70,8 @@ max_staleness = 1
         )
     url = f"http://127.0.0.1:{port}"
     try:
+        await asyncio.to_thread(wait_healthy, proc, url, 240, log)  # the in-process reward service keeps serving
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
-            deadline = time.monotonic() + 240
-            while True:
-                assert proc.poll() is None, f"server exited with {proc.returncode}:\n{_tail(log)}"
-                assert time.monotonic() < deadline, f"server not healthy in time:\n{_tail(log)}"
-                try:
-                    if (await c.get("/healthz")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                await asyncio.sleep(0.5)
-
             # the actor loop serves the run
             prompts = Stream.prompts(redis, keys)
             await prompts.ensure_group()
