@@ -12,7 +12,7 @@ The recipe is chosen for that: 4 layers, a constant learning rate after a
 short warm-up, stopped part-way through the rise of held-out accuracy. A
 first recipe (2 layers, learning rate decayed to zero, also ~30%) sat in a
 minimum so sharp that GRPO's noisy updates lost accuracy at every learning
-rate tried; this one gains 40-50 points in the example's 150 steps.
+rate tried; this one gained 43 and 51 points in two runs of the example's 150 steps.
 
 Deterministic from the seed. The result is cached: a directory whose
 ``tandem.json`` records the same recipe is reused as it is.
