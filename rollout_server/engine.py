@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import inspect
 import json
 import logging
@@ -47,6 +48,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -387,10 +389,14 @@ class Engine:
         """Load ``request.version`` in place; a no-op when it is not newer than the loaded one.
 
         Raises :class:`WeightLoadError` (engine untouched, old weights serving)
-        for a missing or corrupt version.
+        for a missing or corrupt version. A caller cancelled half way does not
+        stop the reload (:func:`_to_the_end`).
         """
         if request.version <= self.version:
             return self.status()
+        return await _to_the_end(self._load(request), f"reload of version {request.version}")
+
+    async def _load(self, request: LoadWeights) -> WeightsStatus:
         async with self._reload_lock:
             if request.version <= self.version:  # another caller loaded it meanwhile
                 return self.status()
@@ -416,8 +422,12 @@ class Engine:
     async def reset_to_base(self) -> WeightsStatus:
         """Serve the model directory's own weights again, as version 0 (a new run starts from them).
 
-        A no-op when nothing newer was loaded since start-up.
+        A no-op when nothing newer was loaded since start-up; like a reload, it
+        runs to its end even if the caller is cancelled.
         """
+        return await _to_the_end(self._reset_to_base(), "return to the base weights")
+
+    async def _reset_to_base(self) -> WeightsStatus:
         base = LoadWeights(version=0, uri=str(self.model_dir))
         async with self._reload_lock:
             if self.version == 0 and self.uri == base.uri:
@@ -462,3 +472,25 @@ class Engine:
             self.metrics.engine_up.set(0)
             log.critical(self._broken)
             raise EngineDead(self._broken) from e2
+
+
+async def _to_the_end(work: Coroutine[Any, Any, WeightsStatus], what: str) -> WeightsStatus:
+    """Await ``work`` in a task that cancelling the caller does not interrupt.
+
+    A reload pauses vLLM's scheduler and resumes it at the end; cancelled in
+    between (an actor stopping because its run ended), it would leave new
+    requests queued until some later reload resumed generation, or the
+    weights half-loaded. So the reload finishes; the cancelled caller only
+    stops waiting, and a failure nobody waits for any more is logged.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(functools.partial(_log_unawaited_failure, what))
+        raise
+
+
+def _log_unawaited_failure(what: str, task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s (its caller had gone) failed: %s", what, task.exception())

@@ -306,3 +306,31 @@ async def test_reset_to_base_serves_the_model_directory_again(rollout_server, ro
         nxt = weight_versions.make(seed=109)
         r = await c.post("/v1/weights", json=nxt.model_dump())
         assert r.status_code == 200 and r.json()["version"] == nxt.version
+
+
+async def test_a_reload_cancelled_half_way_still_finishes_and_generation_resumes(rollout_engine, weight_versions):
+    """An actor stopped mid-reload (its run ended) cancels ``load_weights`` while vLLM's scheduler
+    is paused, draining the requests in flight: the reload must still finish and generation
+    resume (it once stayed paused until the next reload came along)."""
+    from rollout_server.engine import Sampling
+
+    engine = rollout_engine
+    ids = engine.tokenize(PROMPT)
+    in_flight = asyncio.create_task(engine.generate(ids, Sampling(n=16, max_tokens=200, temperature=1.0)))
+    await asyncio.sleep(0.3)
+    req = weight_versions.make(seed=110)
+    load = asyncio.create_task(engine.load_weights(req))
+    for _ in range(2000):  # until the scheduler is paused, waiting for in_flight to drain
+        if await engine.llm.is_paused():
+            break
+        await asyncio.sleep(0.005)
+    else:
+        pytest.fail("the reload never paused the scheduler")
+    assert not in_flight.done(), "the request in flight finished before the pause: nothing drained"
+    load.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await load
+    await asyncio.wait_for(in_flight, 60)
+    out = await asyncio.wait_for(engine.generate(ids, Sampling(n=2, max_tokens=8)), 60)
+    assert len(out.samples) == 2
+    assert engine.version == req.version and {s.policy_version for s in out.samples} == {req.version}
