@@ -24,7 +24,9 @@ resumes. The prefix cache is cleared during the pause (vLLM's
 ``clear_cache``), so no KV computed by old weights is reused. The weights are
 then reloaded in place (``collective_rpc("reload_weights")``) and the new
 version is registered as vLLM's weight-version label. A drain therefore
-costs at most the time to finish the longest request in flight.
+costs at most the time to finish the longest request in flight. A reload
+runs to its end even when its caller is cancelled (an actor whose run ended):
+stopped between pause and resume, it would leave vLLM's scheduler paused.
 
 **Version tags are the engine's own record.** vLLM labels every output token
 with the weight version that sampled it (``CompletionOutput.weight_versions``,

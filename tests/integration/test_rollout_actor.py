@@ -19,6 +19,8 @@ from services.clients import RewardClient
 from services.config import RunConfig
 from tests.fixtures.rollout import TOKEN
 
+pytestmark = pytest.mark.usefixtures("engine_left_serving")
+
 
 def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size: int = 4, retries: int = 2) -> RunConfig:
     train = tmp_path / "train.jsonl"

@@ -11,6 +11,8 @@ import pytest
 
 from services.wire import GenerateResponse
 
+pytestmark = pytest.mark.usefixtures("engine_left_serving")
+
 PROMPT = "The answer is"
 
 
