@@ -229,6 +229,7 @@ class Engine:
             llm.shutdown()
             raise
         log.info("vLLM engine for %s up in %.1fs", model_dir, time.monotonic() - t0)
+        del llm  # this frame outlives the call; only ``engine`` may hold the AsyncLLM (see shutdown)
         return engine
 
     def shutdown(self) -> None:
