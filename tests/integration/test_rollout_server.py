@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from services.wire import GenerateResponse
+from tests.fixtures.rollout import MAX_MODEL_LEN
 
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
@@ -318,9 +319,10 @@ async def test_a_reload_cancelled_half_way_still_finishes_and_generation_resumes
 
     engine = rollout_engine
     ids = engine.tokenize(PROMPT)
-    in_flight = asyncio.create_task(engine.generate(ids, Sampling(n=16, max_tokens=200, temperature=1.0)))
-    await asyncio.sleep(0.3)
-    req = weight_versions.make(seed=110)
+    req = weight_versions.make(seed=110)  # written before: the reload must start while in_flight runs
+    long = Sampling(n=64, max_tokens=MAX_MODEL_LEN - len(ids), temperature=1.0)
+    in_flight = asyncio.create_task(engine.generate(ids, long))
+    await asyncio.sleep(0.05)
     load = asyncio.create_task(engine.load_weights(req))
     for _ in range(2000):  # until the scheduler is paused, waiting for in_flight to drain
         if await engine.llm.is_paused():
