@@ -68,9 +68,12 @@ class Watch:
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
         self.max_outstanding = 0
+        self.watching = True
 
     async def run(self) -> None:
-        while True:
+        # ended by a flag and awaited: once, in a CI run, a cancel() was lost and this polled
+        # on until Redis closed at the end of the session ("Task exception was never retrieved")
+        while self.watching:
             self.max_outstanding = max(self.max_outstanding, await self.admission.outstanding())
             await asyncio.sleep(0.01)
 
@@ -161,7 +164,8 @@ async def test_actor_produces_groups_within_the_staleness_bound(
             hf_logprobs=hf_logprobs, seed0=210,
         )
     finally:
-        watcher.cancel()
+        watch.watching = False
+        await watcher
     assert not task.done(), task.exception() if task.done() and not task.cancelled() else "actor stopped"
     assert watch.max_outstanding <= (eta + 1) * gps
     assert len(seen) == gps * steps
