@@ -47,7 +47,6 @@ tagged with the old version.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -218,9 +217,7 @@ class Actor:
             await asyncio.shield(self.admission.release(ticket))
             raise
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            await cancel_and_wait(renewer)
             self.metrics.groups_in_flight.dec()
 
     async def _process(self, delivery: Delivery, ticket: Ticket, lost: asyncio.Event) -> None:
@@ -329,3 +326,17 @@ class Actor:
             if not todo:
                 return [results[i] for i in ids]
         return None
+
+
+async def cancel_and_wait(task: asyncio.Task) -> BaseException | None:
+    """Cancel ``task``, wait until it has ended, and return what it failed with (None if it
+    was cancelled or returned).
+
+    Unlike ``with suppress(CancelledError): await task``, a cancellation of the *caller*
+    while it waits still propagates: the suppress form swallows it too (it is the same
+    exception), and a rollout server whose follower swallowed its own cancel kept polling
+    for runs after SIGTERM until the supervisor killed it.
+    """
+    task.cancel()
+    await asyncio.wait([task])
+    return None if task.cancelled() else task.exception()

@@ -12,7 +12,6 @@ restarts the process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -21,6 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from rollout_server.actor import cancel_and_wait
 from rollout_server.api import Pending, router
 from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
@@ -93,10 +93,9 @@ def build_app(settings: ServiceSettings, config: RunConfig | None = None, *, eng
                 yield
             finally:
                 for t in (actor_task, watchdog):
-                    if t is not None:
-                        t.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await _quietly(t)
+                    if t is not None and (error := await cancel_and_wait(t)) is not None:
+                        # already reported by the watchdog; not re-raised during shutdown
+                        log.error("%s ended with %r", t.get_name(), error)
         finally:
             for close in closers:
                 await close()
@@ -115,16 +114,6 @@ def build_app(settings: ServiceSettings, config: RunConfig | None = None, *, eng
     app.state.request_exit = None
     app.include_router(router)
     return app
-
-
-async def _quietly(task: asyncio.Task) -> None:
-    """Await a cancelled task; its own failure was already reported by the watchdog."""
-    try:
-        await task
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001  reported, not re-raised during shutdown
-        log.error("%s ended with %r", task.get_name(), e)
 
 
 async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):

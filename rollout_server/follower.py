@@ -15,13 +15,12 @@ server logs why).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from pathlib import Path
 
 from broker import Keys, connect
-from rollout_server.actor import Actor
+from rollout_server.actor import Actor, cancel_and_wait
 from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
@@ -67,9 +66,7 @@ async def follow_runs(
                 await _while_live(store, MetricsLog(redis, Keys(run.run_id)), run.run_id, task, engine, metrics,
                                   rs.name, poll_s, report_s)
             finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)  # a failure of the actor was raised by _while_live
             log.info("run %s is over", run.run_id)
     finally:
         await reward.aclose()
