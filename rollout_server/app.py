@@ -20,7 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from rollout_server.actor import cancel_and_wait
+from rollout_server.actor import Actor, cancel_and_wait
 from rollout_server.api import Pending, router
 from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
@@ -118,7 +118,6 @@ def build_app(settings: ServiceSettings, config: RunConfig | None = None, *, eng
 
 async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
     from broker import Keys, connect
-    from rollout_server.actor import Actor
     from services.clients import RewardClient
 
     if not rs.redis_url:
