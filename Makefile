@@ -12,19 +12,28 @@ DEBIAN_PACKAGES := runsc bubblewrap redis-server redis-tools chromium
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
 EXTRAS := cpu,learner,reward,report,modal
 
-.PHONY: run test demo bench lint clean
+# make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
+# browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
+SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_rollout_models \
+	test_learner_engine test_learner_service test_learner_vllm test_dashboard
+FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
+
+.PHONY: run test test-fast bench lint clean
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml
 
 test: $(STAMPS)/dev
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra
 
-demo: $(STAMPS)/install
-	$(VENV)/bin/tandem demo
+test-fast: $(STAMPS)/dev
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -ra -m "not slow" $(FAST_IGNORE)
 
 lint: $(STAMPS)/dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 $(STAMPS)/venv:
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "tandem needs Python >= 3.11"'

@@ -3,18 +3,20 @@
     DS_ACCELERATOR=cpu .venv/bin/python bench/learner.py [--layers 8 --hidden 512] [--steps 3]
 
 Builds a Qwen3-architecture model of at least 20M parameters from code
-(``learner.tiny.tiny_qwen3``, scaled up), then in one run:
+(``examples.tiny.tiny_qwen3``, scaled up), then in one run:
 
 1. for each ZeRO stage 0, 2, 3: trains ``--steps`` GRPO steps on synthetic
    trajectory groups (after one warm-up step) and reports training tokens/s;
 2. for each stage: publishes the weights exactly as the learner does
    (``Engine.full_state_dict`` - a ZeRO-3 gather for stage 3 - then
-   ``learner.weights.write_version``: safetensors, fsync, rename, sha256) and
-   reports seconds and GB/s;
+   ``services.weightstore.write_version``, the learner's publish writer:
+   ``safetensors.torch.save_file``, fsync beside the sha256, record, rename)
+   and reports seconds and GB/s;
 3. side by side on the same state dict and disk: ``torch.save`` + fsync,
-   ``safetensors.torch.save_file`` + fsync, and a raw ``dd``-style write of
-   the same number of bytes from memory (16 MiB ``os.write`` chunks + fsync:
-   the physical limit).
+   ``safetensors.torch.save_file`` + fsync (the library write alone: tandem's
+   publish adds the checksum, the record and the rename), and a raw
+   ``dd``-style write of the same number of bytes from memory (16 MiB
+   ``os.write`` chunks + fsync: the physical limit).
 
 The target: publishing at >= 50% of the raw write speed.
 """
@@ -93,10 +95,10 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from learner import weights as store
+    from examples.tiny import parameter_count, tiny_qwen3
     from learner.batch import build_batch
     from learner.engine import Engine
-    from learner.tiny import parameter_count, tiny_qwen3
+    from services import weightstore as store
     from services.config import RunConfig
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))

@@ -56,7 +56,7 @@ PROMPTS = [
 
 
 def build_model(out: Path, seed: int = 0) -> Path:
-    from learner.tiny import tiny_qwen3
+    from examples.tiny import tiny_qwen3
 
     return tiny_qwen3(out, hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536, max_positions=512, seed=seed)
 
@@ -164,9 +164,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the model here (default: a temp dir)")
     args = ap.parse_args()
 
-    from broker.embedded import free_port
-    from learner.tiny import char_tokenizer, parameter_count
-    from services.supervisor import stop_group, wait_healthy
+    from broker.processes import free_port, stop_group
+    from examples.tiny import char_tokenizer, parameter_count
+    from services.supervisor import wait_healthy
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-bench-rollout-"))
     model = work / "model"

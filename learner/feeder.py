@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from broker import Delivery, Keys, Stream, accept
 from learner.batch import check_group, group_has_signal
 from services.config import RunConfig
-from services.wire import TrajectoryGroup, decode
+from services.wire import TrajectoryGroup, decode_delivery
 
 
 class DataTimeout(Exception):
@@ -87,10 +87,8 @@ class Feeder:
             gid = d.envelope.group_id
             if gid in self.buffer:
                 continue  # a redelivery of a group this learner already holds
-            try:
-                group = decode(TrajectoryGroup, d.envelope.payload)
-            except ValueError as e:
-                await self.stream.dead_letter(d, f"invalid TrajectoryGroup: {e}"[:2000])
+            group = await decode_delivery(self.stream, d, TrajectoryGroup)
+            if group is None:  # dead-lettered with the validation error as its reason
                 self.counts["dead_lettered"] += 1
                 continue
             reason = check_group(group, self.vocab_size, self.max_len)

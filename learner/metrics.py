@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from learner.status import Published, Status
+
 
 class LearnerMetrics:
     STEP_GAUGES = (
@@ -36,7 +38,7 @@ class LearnerMetrics:
             "tandem_learner_groups_dropped", "Groups not trained, by reason (this process).", ["reason"], registry=r
         )
 
-    def observe_step(self, status, tokens: float) -> None:
+    def observe_step(self, status: Status, tokens: float) -> None:
         self.step.set(status.step)
         self.version.set(status.version)
         for name, g in self.gauges.items():
@@ -49,8 +51,8 @@ class LearnerMetrics:
         for reason, n in status.counts.items():
             self.dropped.labels(reason).set(n)
 
-    def observe_publish(self, info: dict) -> None:
-        self.version.set(info["version"])
-        self.publish_s.set(info["total_s"])
-        self.publish_gbps.set(info["write_gb_per_s"])
+    def observe_publish(self, info: Published) -> None:
+        self.version.set(info.version)
+        self.publish_s.set(info.total_s)
+        self.publish_gbps.set(info.write_gb_per_s)
         self.published.inc()

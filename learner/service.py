@@ -27,16 +27,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from learner.metrics import LearnerMetrics
-from learner.trainer import Status, Trainer
+from learner.settings import LearnerSettings
+from learner.status import Status
+from learner.trainer import Trainer
 from services.app import create_app
 from services.app import serve as serve_app
 from services.config import RunConfig
-from services.settings import ServiceSettings
 
 log = logging.getLogger("tandem.learner")
 
 
-def build_app(settings: ServiceSettings, config: RunConfig | None) -> FastAPI:
+def build_app(settings: LearnerSettings, config: RunConfig | None) -> FastAPI:
     """The learner's app; its lifespan starts the training thread and stops it at shutdown."""
     metrics = LearnerMetrics()
     if settings.run_id:
@@ -64,9 +65,9 @@ def build_app(settings: ServiceSettings, config: RunConfig | None) -> FastAPI:
     app = create_app("learner", settings, lifespan=lifespan, health=health, registry=metrics.registry)
     app.state.trainer = trainer
 
-    @app.get("/v1/status")
-    async def status() -> dict:
-        return {"run_id": trainer.run_id} | trainer.status.as_dict()
+    @app.get("/v1/status", response_model=Status)
+    async def status() -> Status:
+        return trainer.status
 
     return app
 
@@ -74,10 +75,9 @@ def build_app(settings: ServiceSettings, config: RunConfig | None) -> FastAPI:
 class RunFollower:
     """Stack mode: train each run the control plane activates, one after the other."""
 
-    def __init__(self, settings: ServiceSettings, metrics: LearnerMetrics, poll_s: float = 0.5) -> None:
+    def __init__(self, settings: LearnerSettings, metrics: LearnerMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.poll_s = poll_s
         self.stop_event = threading.Event()
         self.current: Trainer | None = None
         self.idle = Status(state="idle")
@@ -101,28 +101,19 @@ class RunFollower:
 
     async def _follow(self) -> None:
         from broker import connect
-        from services.config import ConfigError, parse_run_config
-        from services.runs import RunStore
+        from services.runs import RunStore, RunWatcher
 
         if not self.settings.redis_url:
-            raise RuntimeError("the learner needs a Redis URL (REDIS_URL or TANDEM_REDIS_URL)")
+            raise RuntimeError("the learner needs a Redis URL (REDIS_URL)")
         redis = connect(self.settings.redis_url)
         store = RunStore(redis)
+        runs = RunWatcher(store, poll_s=self.settings.poll_s, stop=self.stop_event)
         try:
-            while not self.stop_event.is_set():
-                run = await store.active()
-                if run is None:
-                    await asyncio.sleep(self.poll_s)
-                    continue
-                try:
-                    cfg = parse_run_config(run.config, f"run {run.run_id}")
-                except ConfigError as e:
-                    await store.set_state(run.run_id, "failed", error=str(e))
-                    continue
+            async for run in runs:
                 await store.set_state(run.run_id, "running")
-                trainer = Trainer(self.settings.model_copy(update={"run_id": run.run_id}), cfg, metrics=self.metrics)
+                trainer = Trainer(self.settings.model_copy(update={"run_id": run.run_id}), run.config, metrics=self.metrics)
                 self.current = trainer
-                watch = asyncio.create_task(self._stop_when_not_live(store, run.run_id, trainer))
+                watch = asyncio.create_task(self._stop_when_not_live(runs, run.run_id, trainer))
                 try:
                     await asyncio.to_thread(trainer.run_blocking, reraise=False)
                 finally:
@@ -136,16 +127,15 @@ class RunFollower:
         finally:
             await redis.aclose()
 
-    async def _stop_when_not_live(self, store, run_id: str, trainer: Trainer) -> None:
-        while not self.stop_event.is_set():
-            if not await store.is_live(run_id):
-                trainer.stop_event.set()  # stopped from the control plane
-                return
-            await asyncio.sleep(self.poll_s)
+    @staticmethod
+    async def _stop_when_not_live(runs, run_id: str, trainer: Trainer) -> None:
+        """Stop the trainer once the run is stopped from the control plane (or the service stops)."""
+        async for _ in runs.while_live(run_id):
+            pass
         trainer.stop_event.set()
 
 
-def serve(settings: ServiceSettings, config: RunConfig | None) -> None:
+def serve(settings: LearnerSettings, config: RunConfig | None) -> None:
     """Entry point of ``tandem serve learner`` (and of every rank under torchrun)."""
     if int(os.environ.get("RANK", "0")) > 0 and config is None:
         raise SystemExit("ranks > 0 need --config RUN.toml")

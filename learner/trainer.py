@@ -47,6 +47,12 @@ Resume and idempotency (kill -9 at any point, restart):
 Audit logs (``<run_dir>/<run_id>/learner/``): ``trained.jsonl`` (a line per
 step, after its acknowledgement: step, version, group ids, pid) and
 ``published.jsonl``; the resume test reads them.
+
+In the code, rank 0's run is :meth:`Trainer._lead`: ``_resume`` once, then
+per step ``_feed`` (1), ``_plan`` and ``_step`` (2), ``_publish`` (3),
+``_checkpoint`` (4), the acknowledgement (5) and ``_report`` (status,
+metrics, audit log, run registry); ``_finish`` at the end. What rank 0
+tells the other ranks is a :class:`~learner.ranks.RankCommand`.
 """
 
 from __future__ import annotations
@@ -58,35 +64,22 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from learner.ranks import RankChannel, RankCommand, receive
+from learner.settings import LearnerSettings
+from learner.status import Published, Status
+from learner.weights import retained
 from services.config import RunConfig
-from services.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from broker import Delivery
+    from learner.batch import TrainSeq
+    from services.wire import TrajectoryGroup
 
 log = logging.getLogger("tandem.learner")
-
-
-@dataclass
-class Status:
-    """What ``GET /v1/status`` shows; written by the training thread, read by the HTTP thread."""
-
-    state: str = "starting"  # starting | waiting | training | done | failed | stopped
-    step: int = 0
-    steps: int = 0
-    version: int = 0
-    rank_count: int = 1
-    error: str | None = None
-    last: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)
-    tokens_per_s: float = 0.0
-    idle_fraction: float = 0.0
-    last_publish: dict = field(default_factory=dict)
-    resumed_from: int | None = None
-    started_at: float = field(default_factory=time.time)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 class Paths:
@@ -99,21 +92,48 @@ class Paths:
         self.logs = base / "learner"
 
 
-def run_id_of(settings: ServiceSettings, cfg: RunConfig) -> str:
+def run_id_of(settings: LearnerSettings, cfg: RunConfig) -> str:
     return settings.run_id or cfg.name
+
+
+def checkpoint_tag(step: int) -> str:
+    """The name of the checkpoint saved after ``step`` steps (every rank saves under it)."""
+    return f"step{step:08d}"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's groups as the feeder handed them out (oldest first) and the rows built from them."""
+
+    taken: list[tuple[Delivery, TrajectoryGroup]]
+    seqs: list[TrainSeq]
+    lags: list[int]
+    """``v_learner - v`` of each group when the batch was formed: all within ``max_staleness``."""
+
+    @property
+    def deliveries(self) -> list[Delivery]:
+        return [d for d, _ in self.taken]
+
+    @property
+    def groups(self) -> list[TrajectoryGroup]:
+        return [g for _, g in self.taken]
 
 
 class Trainer:
     """Runs the loop above on every rank; rank 0 also owns Redis, metrics and status."""
 
-    def __init__(self, settings: ServiceSettings, cfg: RunConfig, metrics=None) -> None:
+    def __init__(self, settings: LearnerSettings, cfg: RunConfig, metrics=None) -> None:
         self.settings = settings
         self.cfg = cfg
         self.run_id = run_id_of(settings, cfg)
         self.paths = Paths(settings.run_dir, self.run_id)
-        self.status = Status(steps=cfg.learner.steps)
+        self.status = Status(run_id=self.run_id, steps=cfg.learner.steps)
         self.metrics = metrics
         self.stop_event = threading.Event()
+        self.step = 0
+        """Optimizer steps taken (the checkpoint's after a resume)."""
+        self.version = 0
+        """v_learner: the newest version this learner published (the checkpoint's after a resume)."""
 
     # -- entry points -------------------------------------------------------
 
@@ -142,235 +162,259 @@ class Trainer:
         self.engine = engine
         self.status.rank_count = engine.world
         state = engine.load(self.paths.checkpoints)
-        step = state["step"] if state else 0
-        version = state["version"] if state else 0
-        self.status.resumed_from = step if state else None
+        self.step = state["step"] if state else 0
+        self.version = state["version"] if state else 0
+        self.status.resumed_from = self.step if state else None
         if engine.rank == 0:
+            self.ranks = RankChannel(engine.world)
             try:
-                await self._run_rank0(engine, state, step, version)
+                await self._lead(state)
             except Exception:
                 # release the other ranks (they wait in a broadcast); a failure inside a
                 # collective cannot be helped, but a data timeout or a broker error can
-                self._command({"op": "stop", "failed": True})
+                if not self.ranks.stopped:
+                    self.ranks.send(RankCommand(step=self.step, stop=True, failed=True))
                 raise
-        elif not self._run_follower(engine, step, version):
+        elif not self._follow():
             raise RuntimeError("rank 0 failed; see its log")
         torch.distributed.barrier()
 
     # -- rank 0 -------------------------------------------------------------
 
-    async def _run_rank0(self, engine, state: dict | None, step: int, version: int) -> None:
+    async def _lead(self, state: dict | None) -> None:
+        """Rank 0's run: resume, then feed -> step -> publish -> checkpoint -> ack -> report."""
         from broker import Keys, WeightRegistry, connect
-        from learner import weights as store
-        from learner.batch import build_batch, split_ranks
         from learner.feeder import Feeder
+        from services import weightstore as store
 
-        cfg = self.cfg
         if not self.settings.redis_url:
-            raise RuntimeError("the learner needs a Redis URL (TANDEM_REDIS_URL or REDIS_URL)")
+            raise RuntimeError("the learner needs a Redis URL (REDIS_URL)")
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         store.clean_temp(self.paths.weights)
-        redis = connect(self.settings.redis_url)
+        self.redis = connect(self.settings.redis_url)
         try:
-            keys = Keys(self.run_id)
-            registry = WeightRegistry(redis, keys)
-            feeder = Feeder(
-                redis, keys, cfg, vocab_size=engine.vocab_size, max_len=engine.max_len,
+            self.keys = Keys(self.run_id)
+            self.registry = WeightRegistry(self.redis, self.keys)
+            self.feeder = Feeder(
+                self.redis, self.keys, self.cfg, vocab_size=self.engine.vocab_size, max_len=self.engine.max_len,
                 consumer=f"learner-{self.settings.name}",
             )
-            self.feeder, self.registry, self.keys, self.redis = feeder, registry, keys, redis
-            await feeder.stream.ensure_group()
-            if state and state.get("unacked"):
-                # trained into the checkpointed weights: done before anything is taken over
-                await feeder.stream.ack(_deliveries(state["unacked"]))  # no counter: may be counted already
-            await feeder.start()
-            latest = await registry.latest()
-            registered = latest.version if latest else 0
-            if registered < version:
-                raise RuntimeError(
-                    f"the registry's latest version is {registered} but the checkpoint holds {version}: "
-                    "the broker lost data (is Redis persistent?)"
-                )
-            if registered > version:
-                log.warning(
-                    "versions %d..%d were published after the last checkpoint (step %d); "
-                    "publishing the resumed weights as version %d", version + 1, registered, step, registered + 1,
-                )
-                self._command({"op": "publish"})
-                version = await self._publish(engine, registry, registered + 1, step, resume=True)
-            self.status.step, self.status.version = step, version
-            await self._write_state(step, version)
-
-            saved_step = step
-            t_start = time.monotonic()
-            idle_start = feeder.idle_s
-            tokens_total = 0.0
-            while step < cfg.learner.steps and not self.stop_event.is_set():
-                self.status.state = "waiting"
-                batch = await feeder.next_batch(
-                    version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
-                )
+            await self._resume(state)
+            self._t_start, self._idle_start = time.monotonic(), self.feeder.idle_s
+            while self.step < self.cfg.learner.steps and not self.stop_event.is_set():
+                batch = await self._feed()
                 if batch is None:
                     break
-                deliveries = [d for d, _ in batch]
-                lags = [version - g.policy_version for _, g in batch]  # v_learner - v, all <= eta
-                seqs = build_batch([g for _, g in batch], cfg.loss, cfg.sampling.max_tokens)
-                if not seqs:  # every completion was overlong-filtered or empty
-                    await feeder.stream.ack(deliveries, counter="empty_dropped")
-                    continue
-                self.status.state = "training"
-                publish = (step + 1) % cfg.publish.every == 0
-                last = step + 1 >= cfg.learner.steps
-                ckpt = last or (cfg.learner.checkpoint_every > 0 and (step + 1) % cfg.learner.checkpoint_every == 0)
-                shares = split_ranks(seqs, engine.world)
-                self._command({"op": "step", "shares": shares, "publish": publish, "checkpoint": ckpt})
-                t0 = time.monotonic()
-                stats = engine.train_step(shares[0])
-                step += 1
-                train_s = time.monotonic() - t0
-                if publish:
-                    version = await self._publish(engine, registry, version + 1, step, resume=False)
-                if ckpt:
-                    unacked = [[d.entry_id.decode(), d.envelope.group_id] for d in deliveries]
-                    engine.save(self.paths.checkpoints, f"step{step:08d}", {"step": step, "version": version, "unacked": unacked})
-                    saved_step = step
-                await feeder.ack_trained(deliveries)
-                tokens = sum(s.length for s in seqs)
-                tokens_total += tokens
-                wall = time.monotonic() - t_start
-                self.status.step, self.status.version = step, version
-                self.status.last = stats | {"train_s": train_s, "groups": len(batch), "sequences": len(seqs)}
-                self.status.tokens_per_s = tokens / max(train_s, 1e-9)
-                self.status.idle_fraction = (feeder.idle_s - idle_start) / max(wall, 1e-9)
-                self.status.counts = dict(feeder.counts)
-                self._audit("trained.jsonl", {
-                    "step": step, "version": version, "pid": os.getpid(),
-                    "groups": [g.group_id for _, g in batch], "group_versions": [g.policy_version for _, g in batch],
-                })
-                rewards = [smp.reward for _, g in batch for smp in g.samples]
-                point = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)} | {
-                    "reward_mean": sum(rewards) / len(rewards),
-                    "lag_max": float(max(lags)), "lag_mean": sum(lags) / len(lags),
-                    "stale_dropped": float(feeder.counts["stale_dropped"]),
-                    "learner_tokens_per_s": self.status.tokens_per_s,
-                    "learner_idle_frac": self.status.idle_fraction,
-                }
-                await self._write_state(step, version, point)
-                if self.metrics is not None:
-                    self.metrics.observe_step(self.status, tokens)
-                log.info(
-                    "step %d v%d loss %.4f kl %.4f entropy %.3f clip %.3f tokens/s %.0f idle %.2f",
-                    step, version, stats["loss"], stats["kl"], stats["entropy"], stats["clip_fraction"],
-                    self.status.tokens_per_s, self.status.idle_fraction,
-                )
-            if step > saved_step and step < cfg.learner.steps:
-                # stopped on request (SIGTERM): keep the progress; every trained group is acked already
-                self._command({"op": "save", "step": step})
-                engine.save(self.paths.checkpoints, f"step{step:08d}", {"step": step, "version": version, "unacked": []})
-            self._command({"op": "stop"})
-            self.status.state = "done" if step >= cfg.learner.steps else "stopped"
-            await self._write_state(step, version)
+                cmd = self._plan(batch)
+                stats, train_s = self._step(cmd)
+                if cmd.publish:
+                    await self._publish(self.version + 1, resume=False)
+                if cmd.checkpoint:
+                    self._checkpoint(batch.deliveries)
+                await self.feeder.ack_trained(batch.deliveries)
+                await self._report(batch, stats, train_s)
+            await self._finish()
         finally:
-            await redis.aclose()
+            await self.redis.aclose()
 
-    async def _publish(self, engine, registry, version: int, step: int, *, resume: bool) -> int:
-        """Gather (collective), write and register ``version``; prune old versions. Returns ``version``."""
+    async def _resume(self, state: dict | None) -> None:
+        """Pick up where the checkpoint left off ("Resume and idempotency" above)."""
+        feeder = self.feeder
+        await feeder.stream.ensure_group()
+        if state and state.get("unacked"):
+            # trained into the checkpointed weights: done before anything is taken over
+            await feeder.stream.ack(_deliveries(state["unacked"]))  # no counter: may be counted already
+        await feeder.start()
+        latest = await self.registry.latest()
+        registered = latest.version if latest else 0
+        if registered < self.version:
+            raise RuntimeError(
+                f"the registry's latest version is {registered} but the checkpoint holds {self.version}: "
+                "the broker lost data (is Redis persistent?)"
+            )
+        if registered > self.version:
+            log.warning(
+                "versions %d..%d were published after the last checkpoint (step %d); "
+                "publishing the resumed weights as version %d", self.version + 1, registered, self.step, registered + 1,
+            )
+            self.ranks.send(RankCommand(step=self.step, publish=True))
+            await self._publish(registered + 1, resume=True)
+        self.saved_step = self.step
+        self.status.step, self.status.version = self.step, self.version
+        await self._write_state()
+
+    async def _feed(self) -> Batch | None:
+        """The next step's batch: groups acceptable for ``v_learner + 1`` that give at least one row.
+
+        None when stopped while waiting; raises ``DataTimeout`` when no data comes.
+        """
+        from learner.batch import build_batch
+
+        cfg = self.cfg
+        while True:
+            self.status.state = "waiting"
+            taken = await self.feeder.next_batch(
+                self.version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
+            )
+            if taken is None:
+                return None
+            seqs = build_batch([g for _, g in taken], cfg.loss, cfg.sampling.max_tokens)
+            if seqs:
+                return Batch(taken, seqs, lags=[self.version - g.policy_version for _, g in taken])
+            # every completion was overlong-filtered or empty
+            await self.feeder.stream.ack([d for d, _ in taken], counter="empty_dropped")
+
+    def _plan(self, batch: Batch) -> RankCommand:
+        """What the step that trains ``batch`` does: every rank's rows, and whether it publishes and checkpoints."""
+        from learner.batch import split_ranks
+
+        cfg = self.cfg.learner
+        step = self.step + 1
+        return RankCommand(
+            step=step,
+            rows=split_ranks(batch.seqs, self.engine.world),
+            publish=step % self.cfg.publish.every == 0,
+            checkpoint=step >= cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0),
+        )
+
+    def _step(self, cmd: RankCommand) -> tuple[dict[str, float], float]:
+        """Tell the other ranks, then train this rank's rows (collective). Returns (stats, seconds)."""
+        self.status.state = "training"
+        self.ranks.send(cmd)
+        t0 = time.monotonic()
+        stats = self.engine.train_step(cmd.rows[0])
+        self.step = cmd.step
+        return stats, time.monotonic() - t0
+
+    async def _publish(self, version: int, *, resume: bool) -> None:
+        """Gather (collective), write and register ``version``; prune old versions. It becomes v_learner."""
         import torch
 
         from broker import WeightVersion
-        from learner import weights as store
+        from services import weightstore as store
 
         dtype = getattr(torch, self.cfg.model.dtype)
         t0 = time.perf_counter()
-        tensors, layout = publish_tensors(engine, self.cfg, dtype)
+        tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
-        written = store.write_version(self.paths.weights, version, tensors, step=step, replace=True, **layout)
-        await registry.publish(
+        written = store.write_version(self.paths.weights, version, tensors, step=self.step, replace=True, **layout)
+        await self.registry.publish(
             WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
                           created_at=time.time(), bytes=written.bytes)
         )
-        total_s = time.perf_counter() - t0
-        info = {
-            "version": version, "step": step, "bytes": written.bytes, "gather_s": gather_s,
-            "write_s": written.seconds, "total_s": total_s, "write_gb_per_s": written.gb_per_s, "resume": resume,
-        }
+        self.version = version
+        info = Published(
+            version=version, step=self.step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
+            total_s=time.perf_counter() - t0, write_gb_per_s=written.gb_per_s, resume=resume,
+        )
         self.status.last_publish = info
-        self._audit("published.jsonl", info)
-        print(
-            f"published v{version} (step {step}): {written.bytes / 1e6:.1f} MB in {total_s:.3f} s "
-            f"(gather {gather_s:.3f} s, write {written.seconds:.3f} s = {written.gb_per_s:.2f} GB/s)",
-            flush=True,
+        self._audit("published.jsonl", info.model_dump())
+        log.info(
+            "published v%d (step %d): %.1f MB in %.3f s (gather %.3f s, write %.3f s = %.2f GB/s)",
+            version, self.step, written.bytes / 1e6, info.total_s, gather_s, written.seconds, written.gb_per_s,
         )
         if self.metrics is not None:
             self.metrics.observe_publish(info)
-        await self._prune(registry)
-        return version
+        await self._prune()
 
-    async def _prune(self, registry) -> None:
-        from learner import weights as store
+    async def _prune(self) -> None:
+        """Delete the versions retention no longer keeps, from disk and from the registry."""
+        from services import weightstore as store
 
-        history = [w.version for w in await registry.history()]
-        in_use = (await registry.in_use()).values()
-        _keep, delete = store.retained(history, self.cfg.publish.keep, in_use)
+        history = [w.version for w in await self.registry.history()]
+        in_use = (await self.registry.in_use()).values()
+        _keep, delete = retained(history, self.cfg.publish.keep, in_use)
         for v in sorted(delete):
             path = store.version_dir(self.paths.weights, v)
             if path.exists():
                 store.delete_version(self.paths.weights, v)
-        await registry.forget(sorted(delete))
+        await self.registry.forget(sorted(delete))
 
-    async def _write_state(self, step: int, version: int, point: dict | None = None) -> None:
+    def _checkpoint(self, unacked: list[Delivery]) -> None:
+        """Save this step's checkpoint (collective), recording the groups it trained but did not yet acknowledge."""
+        state = {
+            "step": self.step, "version": self.version,
+            "unacked": [[d.entry_id.decode(), d.envelope.group_id] for d in unacked],
+        }
+        self.engine.save(self.paths.checkpoints, checkpoint_tag(self.step), state)
+        self.saved_step = self.step
+
+    async def _report(self, batch: Batch, stats: dict[str, float], train_s: float) -> None:
+        """After the acknowledgement: status, audit line, metrics point, run registry, Prometheus, log."""
+        feeder, st = self.feeder, self.status
+        tokens = sum(s.length for s in batch.seqs)
+        wall = time.monotonic() - self._t_start
+        st.step, st.version = self.step, self.version
+        st.last = stats | {"train_s": train_s, "groups": len(batch.taken), "sequences": len(batch.seqs)}
+        st.tokens_per_s = tokens / max(train_s, 1e-9)
+        st.idle_fraction = (feeder.idle_s - self._idle_start) / max(wall, 1e-9)
+        st.counts = dict(feeder.counts)
+        groups = batch.groups
+        self._audit("trained.jsonl", {
+            "step": self.step, "version": self.version, "pid": os.getpid(),
+            "groups": [g.group_id for g in groups], "group_versions": [g.policy_version for g in groups],
+        })
+        rewards = [smp.reward for g in groups for smp in g.samples]
+        lags = batch.lags
+        point = {k: float(v) for k, v in stats.items() if isinstance(v, int | float) and math.isfinite(v)} | {
+            "reward_mean": sum(rewards) / len(rewards),
+            "lag_max": float(max(lags)), "lag_mean": sum(lags) / len(lags),
+            "stale_dropped": float(feeder.counts["stale_dropped"]),
+            "learner_tokens_per_s": st.tokens_per_s,
+            "learner_idle_frac": st.idle_fraction,
+        }
+        await self._write_state(point)
+        if self.metrics is not None:
+            self.metrics.observe_step(st, tokens)
+        log.info(
+            "step %d v%d loss %.4f kl %.4f entropy %.3f clip %.3f tokens/s %.0f idle %.2f",
+            self.step, self.version, stats["loss"], stats["kl"], stats["entropy"], stats["clip_fraction"],
+            st.tokens_per_s, st.idle_fraction,
+        )
+
+    async def _finish(self) -> None:
+        """The loop ended (last step, or stopped): keep the progress, release the other ranks, report."""
+        if self.saved_step < self.step < self.cfg.learner.steps:
+            # stopped on request (SIGTERM): keep the progress; every trained group is acked already
+            self.ranks.send(RankCommand(step=self.step, checkpoint=True))
+            self._checkpoint([])
+        self.ranks.send(RankCommand(step=self.step, stop=True))
+        self.status.state = "done" if self.step >= self.cfg.learner.steps else "stopped"
+        await self._write_state()
+
+    async def _write_state(self, point: dict | None = None) -> None:
         """Progress into the run registry (when the control plane knows the run) and the metrics log."""
         from services.runs import MetricsLog, RunStore, UnknownRun
 
         try:
-            await RunStore(self.redis).update(self.run_id, step=step, policy_version=version)
+            await RunStore(self.redis).update(self.run_id, step=self.step, policy_version=self.version)
         except UnknownRun:
             pass  # a run started without the control plane (tandem serve learner with TANDEM_RUN_ID)
         if point:
-            await MetricsLog(self.redis, self.keys).append("learner", step, **point)
+            await MetricsLog(self.redis, self.keys).append("learner", self.step, **point)
 
     def _audit(self, name: str, record: dict) -> None:
         with open(self.paths.logs / name, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
 
-    def _command(self, cmd: dict) -> None:
-        """Tell the other ranks what to do next (no-op on one rank)."""
-        import torch
-
-        if self.engine.world > 1:
-            torch.distributed.broadcast_object_list([cmd], src=0)
-
     # -- ranks > 0 ------------------------------------------------------------
 
-    def _run_follower(self, engine, step: int, version: int) -> bool:
-        """Follow rank 0's commands until it says stop; False if it stopped because it failed."""
+    def _follow(self) -> bool:
+        """Carry out rank 0's commands until it says stop; False if it stopped because it failed."""
         import torch
 
+        engine = self.engine
         while True:
-            box = [None]
-            torch.distributed.broadcast_object_list(box, src=0)
-            cmd = box[0]
-            if cmd["op"] == "stop":
-                return not cmd.get("failed", False)
-            if cmd["op"] == "publish":
-                self._gather(engine)  # take part in the gather; rank 0 writes
-                continue
-            if cmd["op"] == "save":
-                engine.save(self.paths.checkpoints, f"step{cmd['step']:08d}", {})
-                continue
-            engine.train_step(cmd["shares"][engine.rank])
-            step += 1
-            if cmd["publish"]:
-                self._gather(engine)
-            if cmd["checkpoint"]:
-                engine.save(self.paths.checkpoints, f"step{step:08d}", {})
-
-    def _gather(self, engine) -> None:
-        """A follower's part of a publish: the same collective gathers rank 0 runs."""
-        import torch
-
-        publish_tensors(engine, self.cfg, torch.float32)
+            cmd = receive()
+            if cmd.rows is not None:
+                engine.train_step(cmd.rows[engine.rank])
+            if cmd.publish:
+                publish_tensors(engine, self.cfg, torch.float32)  # take part in the gather; rank 0 writes
+            if cmd.checkpoint:
+                engine.save(self.paths.checkpoints, checkpoint_tag(cmd.step), {})
+            if cmd.stop:
+                return not cmd.failed
 
 
 def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:

@@ -10,21 +10,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from services.settings import ServiceSettings
+    from reward_server.settings import RewardSettings
 
 
-def build_app(settings: ServiceSettings, config=None) -> FastAPI:
+def build_app(settings: RewardSettings, config=None) -> FastAPI:
     from reward_server.app import build_app as _build
 
     return _build(settings, config)
 
 
-def serve(settings: ServiceSettings, config=None) -> None:
+def serve(settings: RewardSettings, config=None) -> None:
     """Run the reward server in the foreground (blocks)."""
     from reward_server.app import build_app as _build
-    from reward_server.settings import RewardSettings
     from services.app import serve as _serve
 
-    # Reward-specific settings come from TANDEM_* variables; the CLI's host/port win.
-    reward = RewardSettings(**{k: v for k, v in settings.model_dump().items() if k in settings.model_fields_set})
-    _serve(_build(reward, config), reward)
+    _serve(_build(settings, config), settings)

@@ -65,8 +65,6 @@ async def execute(body: ExecuteRequest, request: Request) -> ExecuteResult:
 
 def build_app(settings: RewardSettings, config=None) -> FastAPI:
     """The reward server. ``config`` (a RunConfig) is accepted for ``tandem serve``; settings drive it."""
-    if not isinstance(settings, RewardSettings):
-        settings = RewardSettings(**settings.model_dump())
     registry = CollectorRegistry()
 
     @contextlib.asynccontextmanager
@@ -74,7 +72,7 @@ def build_app(settings: RewardSettings, config=None) -> FastAPI:
         sandbox, what = choose(settings)
         if sandbox is None:
             log.warning("reward server: NO SANDBOX (%s); code execution is refused "
-                        "(set TANDEM_UNSAFE_LOCAL=true to run code unsandboxed)", what)
+                        "(set TANDEM_REWARD_UNSAFE_LOCAL=true to run code unsandboxed)", what)
         elif not sandbox.isolated:
             log.warning("reward server: %s", what)
         else:

@@ -1,4 +1,4 @@
-"""Reward-server settings: ``TANDEM_*`` environment variables on top of the service kit's."""
+"""Reward-server settings: ``TANDEM_REWARD_*`` on top of ``services.settings``."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ from typing import Literal
 
 from pydantic import Field, SecretStr
 
-from services.settings import ServiceSettings
+from services.settings import CommonSettings, settings_config
 
 
-class RewardSettings(ServiceSettings):
+class RewardSettings(CommonSettings):
+    """`tandem serve reward`: ``TANDEM_REWARD_*``."""
+
+    model_config = settings_config("TANDEM_REWARD_")
+
     sandbox: Literal["auto", "gvisor", "bwrap", "modal", "none"] = "auto"
-    """Code sandbox (TANDEM_SANDBOX): auto = gVisor when runsc works, else bubblewrap, else none."""
+    """Code sandbox (TANDEM_REWARD_SANDBOX): auto = gVisor when runsc works, else bubblewrap, else none."""
     unsafe_local: bool = False
-    """Run code on the host without a sandbox when none is usable (TANDEM_UNSAFE_LOCAL). Never in production."""
+    """Run code on the host without a sandbox when none is usable (TANDEM_REWARD_UNSAFE_LOCAL). Never in production."""
     workers: int = Field(default=0, ge=0)
     """Programs run at once (0 = one per CPU core)."""
     max_queued: int = Field(default=0, ge=0)

@@ -24,17 +24,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from rollout_server.settings import RolloutSettings
     from services.config import RunConfig
-    from services.settings import ServiceSettings
 
 
-def build_app(settings: ServiceSettings, config: RunConfig | None = None, **kw) -> FastAPI:
+def build_app(settings: RolloutSettings, config: RunConfig | None = None, **kw) -> FastAPI:
     from rollout_server.app import build_app as _build
 
     return _build(settings, config, **kw)
 
 
-def serve(settings: ServiceSettings, config: RunConfig | None = None) -> None:
+def serve(settings: RolloutSettings, config: RunConfig | None = None) -> None:
     from rollout_server.app import serve as _serve
 
     _serve(settings, config)

@@ -51,7 +51,6 @@ import logging
 import time
 
 import httpx
-from pydantic import ValidationError
 
 from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRegistry
 from broker.weights import WeightVersion
@@ -59,7 +58,7 @@ from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.transports import WeightLoadError
 from services import wire
-from services.clients import RewardClient
+from services.clients import RewardClient, is_retryable
 from services.config import RunConfig
 
 log = logging.getLogger("tandem.rollout.actor")
@@ -201,8 +200,12 @@ class Actor:
 
     async def _drop(self, delivery: Delivery, ticket: Ticket, outcome: str, reason: str) -> None:
         """Dead-letter the prompt entry (it cannot succeed) and free the slot."""
-        log.warning("dropping group %s: %s", delivery.envelope.group_id, reason)
         await self.prompts.dead_letter(delivery, reason)
+        await self._dropped(delivery, ticket, outcome, reason)
+
+    async def _dropped(self, delivery: Delivery, ticket: Ticket, outcome: str, reason: str) -> None:
+        """The prompt entry is dead-lettered: free the slot, count the outcome."""
+        log.warning("dropping group %s: %s", delivery.envelope.group_id, reason)
         await self.admission.release(ticket)
         self.metrics.groups.labels(outcome).inc()
 
@@ -221,10 +224,9 @@ class Actor:
             self.metrics.groups_in_flight.dec()
 
     async def _process(self, delivery: Delivery, ticket: Ticket, lost: asyncio.Event) -> None:
-        try:
-            pg = wire.decode(wire.PromptGroup, delivery.envelope.payload)
-        except (ValueError, ValidationError) as e:
-            await self._drop(delivery, ticket, "malformed", f"malformed prompt group: {e}")
+        pg = await wire.decode_delivery(self.prompts, delivery, wire.PromptGroup)
+        if pg is None:
+            await self._dropped(delivery, ticket, "malformed", "malformed prompt group (dead-lettered with the reason)")
             return
         if pg.run_id != self.keys.run_id:
             await self._drop(delivery, ticket, "malformed", f"prompt group of run {pg.run_id!r} in run {self.keys.run_id!r}")
@@ -260,11 +262,12 @@ class Actor:
         try:
             results = await self._score(pg, gen.samples)
         except httpx.HTTPStatusError as e:
-            if 400 <= e.response.status_code < 500 and e.response.status_code != 429:
+            # the client has used up its own retries; the question now is whether a later delivery can succeed
+            if not is_retryable(e):  # the request is wrong: repeating it cannot help
                 await self._drop(delivery, ticket, "score_refused", f"reward server refused the group: {e.response.text[:500]}")
                 return
             return await self._retry_later(delivery, ticket, f"reward server error {e.response.status_code}")
-        except httpx.TransportError as e:
+        except httpx.TransportError as e:  # retryable, always (is_retryable)
             return await self._retry_later(delivery, ticket, f"reward server unreachable: {e!r}")
         except BadScoreResponse as e:
             return await self._retry_later(delivery, ticket, f"bad reward response: {e}")

@@ -27,7 +27,6 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from services.app import create_app
 from services.config import RunConfig
-from services.settings import ServiceSettings
 
 log = logging.getLogger("tandem.rollout")
 
@@ -35,14 +34,7 @@ EXIT_ENGINE_DEAD = 1
 EXIT_STARTUP_FAILED = 3
 
 
-def rollout_settings(settings: ServiceSettings) -> RolloutSettings:
-    """The rollout view of ``settings`` (adds the ``TANDEM_ROLLOUT_*`` variables)."""
-    if isinstance(settings, RolloutSettings):
-        return settings
-    return RolloutSettings(**{k: getattr(settings, k) for k in ServiceSettings.model_fields})
-
-
-def model_dir(settings: ServiceSettings, config: RunConfig | None) -> Path:
+def model_dir(settings: RolloutSettings, config: RunConfig | None) -> Path:
     if settings.model is not None:
         return settings.model
     if config is not None:
@@ -50,14 +42,13 @@ def model_dir(settings: ServiceSettings, config: RunConfig | None) -> Path:
     raise ValueError("no model: pass --model DIR or a run config (--config RUN.toml)")
 
 
-def build_app(settings: ServiceSettings, config: RunConfig | None = None, *, engine: Engine | None = None) -> FastAPI:
+def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: Engine | None = None) -> FastAPI:
     """The rollout server app.
 
     ``engine``: serve an engine started elsewhere (tests share one per session);
     the app then neither starts nor shuts it down. Otherwise the lifespan starts
     one on ``--model`` or the run config's model and owns it.
     """
-    rs = rollout_settings(settings)
     if engine is None:
         path = model_dir(rs, config)
         metrics = RolloutMetrics(CollectorRegistry())
@@ -121,7 +112,7 @@ async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metr
     from services.clients import RewardClient
 
     if not rs.redis_url:
-        raise ValueError("the actor loop needs Redis: set REDIS_URL (or TANDEM_REDIS_URL)")
+        raise ValueError("the actor loop needs Redis: set REDIS_URL")
     redis = connect(rs.redis_url)
     token = rs.token.get_secret_value() if rs.token else None
     reward = RewardClient(rs.reward_url, token, timeout_s=rs.score_timeout_s)
@@ -157,7 +148,7 @@ async def _watchdog(app: FastAPI, eng: Engine, actor_task: asyncio.Task | None, 
         return
 
 
-def serve(settings: ServiceSettings, config: RunConfig | None = None) -> None:
+def serve(settings: RolloutSettings, config: RunConfig | None = None) -> None:
     """``tandem serve rollout``: run the server until SIGINT/SIGTERM or engine death.
 
     Exits 1 when the engine (or the actor loop) died, 3 when startup failed.

@@ -62,8 +62,8 @@ from rollout_server.transports import (
     Prepared,
     WeightLoadError,
     WeightTransport,
-    checkpoint_signature,
 )
+from services.weightstore import checkpoint_signature
 from services.wire import LoadWeights, Sample, WeightsStatus
 
 log = logging.getLogger("tandem.rollout")

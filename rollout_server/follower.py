@@ -1,15 +1,16 @@
 """Stack mode: run the actor loop for whichever run the control plane activates.
 
 A rollout server started without ``TANDEM_RUN_ID`` (``tandem up``,
-docker-compose) polls the run registry (``services.runs.RunStore``). When a
-run becomes active it starts an :class:`~rollout_server.actor.Actor` with
-the config the run was submitted with, reports its throughput and idle
-fraction to the run's metrics log every few seconds, and stops the actor
-once the run is no longer live (finished, stopped, failed). Each run starts
-from the model directory's own weights (version 0), whatever the previous
-run left loaded. A run whose model is not the one this server serves is not
-served (the learner and the control plane report the run's state; this
-server logs why).
+docker-compose) follows the run registry with a
+:class:`~services.runs.RunWatcher` (which validates each run's config and
+fails a run whose config is invalid). When a run becomes active it starts an
+:class:`~rollout_server.actor.Actor` with the run's config, reports its
+throughput and idle fraction to the run's metrics log every few seconds,
+and stops the actor once the run is no longer live (finished, stopped,
+failed). Each run starts from the model directory's own weights (version
+0), whatever the previous run left loaded. A run whose model is not the one
+this server serves is not served (the learner and the control plane report
+the run's state; this server logs why).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from services.clients import RewardClient
-from services.config import ConfigError, parse_run_config
-from services.runs import MetricsLog, RunStore
+from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
 
 log = logging.getLogger("tandem.rollout")
 
@@ -38,48 +38,39 @@ async def follow_runs(
     redis = connect(rs.redis_url)
     token = rs.token.get_secret_value() if rs.token else None
     reward = RewardClient(rs.reward_url, token, timeout_s=rs.score_timeout_s)
-    store = RunStore(redis)
-    refused: str | None = None
+    runs = RunWatcher(RunStore(redis), poll_s=poll_s)
     try:
-        while True:
-            run = await store.active()
-            if run is None or run.run_id == refused:
-                await asyncio.sleep(poll_s)
-                continue
-            try:
-                config = parse_run_config(run.config, f"run {run.run_id}")
-            except ConfigError as e:
-                log.error("not serving run %s: %s", run.run_id, e)
-                refused = run.run_id
-                continue
-            if Path(config.model.path).resolve() != Path(engine.model_dir).resolve():
+        async for run in runs:
+            if Path(run.config.model.path).resolve() != Path(engine.model_dir).resolve():
                 log.error("not serving run %s: it trains %s, this server serves %s",
-                          run.run_id, config.model.path, engine.model_dir)
-                refused = run.run_id
-                continue
+                          run.run_id, run.config.model.path, engine.model_dir)
+                continue  # the watcher does not offer it again
             await engine.reset_to_base()  # a previous run left its last version loaded
-            actor = Actor(engine, redis=redis, keys=Keys(run.run_id), config=config, reward=reward,
+            actor = Actor(engine, redis=redis, keys=Keys(run.run_id), config=run.config, reward=reward,
                           server_id=rs.name, metrics=metrics, concurrency=rs.actor_concurrency)
             task = asyncio.create_task(actor.run(), name=f"actor-{run.run_id}")
             log.info("serving run %s", run.run_id)
             try:
-                await _while_live(store, MetricsLog(redis, Keys(run.run_id)), run.run_id, task, engine, metrics,
-                                  rs.name, poll_s, report_s)
+                await _serve(runs, run, task, MetricsLog(redis, Keys(run.run_id)), engine, metrics, rs.name, report_s)
             finally:
-                await cancel_and_wait(task)  # a failure of the actor was raised by _while_live
+                await cancel_and_wait(task)  # a failure of the actor was raised by _serve
             log.info("run %s is over", run.run_id)
     finally:
         await reward.aclose()
         await redis.aclose()
 
 
-async def _while_live(store, metrics_log, run_id, task, engine, metrics, name, poll_s, report_s) -> None:
+async def _serve(
+    runs: RunWatcher, run: ActiveRun, task: asyncio.Task, metrics_log: MetricsLog, engine: Engine,
+    metrics: RolloutMetrics, name: str, report_s: float,
+) -> None:
     """Wait while the run is live; every ``report_s`` append rollout tokens/s and idle fraction."""
     generated = metrics.registry.get_sample_value
     last_t, last_tokens = time.monotonic(), generated("tandem_rollout_generated_tokens_total") or 0.0
     busy = samples = 0
-    while not task.done() and await store.is_live(run_id):
-        await asyncio.sleep(poll_s)
+    async for _ in runs.while_live(run.run_id):
+        if task.done():
+            break
         samples += 1
         busy += (generated("tandem_rollout_groups_in_flight") or 0) > 0
         if time.monotonic() - last_t >= report_s:

@@ -1,4 +1,4 @@
-"""Settings of one rollout server process (``TANDEM_ROLLOUT_*`` plus the shared ``TANDEM_*``).
+"""Settings of one rollout server process (``TANDEM_ROLLOUT_*`` on top of ``services.settings``).
 
 The run config (``RunConfig``) says *what* to generate (model, sampling,
 staleness); these settings say how this process runs its engine and how much
@@ -8,60 +8,61 @@ machine.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field
-from pydantic_settings import SettingsConfigDict
+from pydantic import Field
 
-from services.settings import ServiceSettings
-
-
-def _env(name: str) -> AliasChoices:
-    return AliasChoices(f"TANDEM_ROLLOUT_{name.upper()}", name)
+from services.settings import WorkerSettings, settings_config
 
 
-class RolloutSettings(ServiceSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="TANDEM_", extra="ignore", use_attribute_docstrings=True, populate_by_name=True
-    )
+class RolloutSettings(WorkerSettings):
+    """`tandem serve rollout`: ``TANDEM_ROLLOUT_*``."""
 
-    max_n: int = Field(default=256, ge=1, validation_alias=_env("max_n"))
+    model_config = settings_config("TANDEM_ROLLOUT_")
+
+    model: Path | None = None
+    """Model directory to serve without a run config (`tandem serve rollout --model DIR`)."""
+    reward_url: str = "http://127.0.0.1:8002"
+    """Reward server the actor loop scores completions with."""
+
+    max_n: int = Field(default=256, ge=1)
     """Largest ``n`` one ``/v1/generate`` request may ask for (above: 422)."""
-    max_pending_seqs: int = Field(default=1024, ge=1, validation_alias=_env("max_pending_seqs"))
+    max_pending_seqs: int = Field(default=1024, ge=1)
     """Sequences (sum of ``n``) that HTTP requests may have in the engine at once; a
     request that would go beyond gets 503 with Retry-After instead of queueing without bound."""
-    max_model_len: int | None = Field(default=None, ge=16, validation_alias=_env("max_model_len"))
+    max_model_len: int | None = Field(default=None, ge=16)
     """Context length of the engine (prompt + completion). Default: the run config's
     ``model.max_model_len``, else the model's own limit."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
-        default=None, validation_alias=_env("dtype")
+        default=None
     )
     """Engine dtype. Default: the run config's ``model.dtype``, else the checkpoint's own dtype
     (``config.json``); vLLM's ``auto`` would serve float32 checkpoints in bfloat16 on CPU."""
-    enforce_eager: bool = Field(default=True, validation_alias=_env("enforce_eager"))
+    enforce_eager: bool = Field(default=True)
     """Skip torch.compile / CUDA graphs. On CPU this also skips vLLM's warm-up pass
     (with an explicit KV-cache size), so the engine answers seconds after it starts."""
-    kv_cache_gib: float | None = Field(default=None, gt=0, validation_alias=_env("kv_cache_gib"))
+    kv_cache_gib: float | None = Field(default=None, gt=0)
     """KV-cache size in GiB (vLLM ``kv_cache_memory_bytes``). Default on CPU: the
     ``VLLM_CPU_KVCACHE_SPACE`` environment variable, else 1 GiB; on GPU vLLM's own sizing."""
-    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1, validation_alias=_env("gpu_memory_utilization"))
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """Fraction of accelerator memory vLLM may take (GPU only)."""
-    max_num_seqs: int | None = Field(default=None, ge=1, validation_alias=_env("max_num_seqs"))
+    max_num_seqs: int | None = Field(default=None, ge=1)
     """Sequences the engine batches in one step (vLLM ``max_num_seqs``); default vLLM's."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        default="processed_logprobs", validation_alias=_env("logprobs_mode")
+        default="processed_logprobs"
     )
     """Which log-probabilities ``Sample.logprobs`` holds. ``processed_logprobs`` (default):
     of the distribution actually sampled from (``softmax(logits / T)`` after top-k/top-p),
     the behaviour policy the learner's ratio needs (it divides its logits by T).
     ``raw_logprobs``: log-softmax of the model's logits whatever the sampling parameters
     (the temperature-1 policy); wrong for training at T != 1."""
-    seed: int = Field(default=0, validation_alias=_env("seed"))
+    seed: int = Field(default=0)
     """Engine seed (requests without a seed draw from it)."""
-    actor_concurrency: int = Field(default=32, ge=1, validation_alias=_env("actor_concurrency"))
+    actor_concurrency: int = Field(default=32, ge=1)
     """Prompt groups the actor loop keeps in the engine at once (they batch together).
     Admission capacity bounds it too."""
-    score_timeout_s: float = Field(default=120.0, gt=0, validation_alias=_env("score_timeout_s"))
+    score_timeout_s: float = Field(default=120.0, gt=0)
     """Per-attempt timeout of the reward server's ``POST /v1/score``."""
-    fatal_grace_s: float = Field(default=2.0, ge=0, validation_alias=_env("fatal_grace_s"))
+    fatal_grace_s: float = Field(default=2.0, ge=0)
     """After the engine dies, how long /healthz reports 503 before the process exits (non-zero)."""

@@ -12,7 +12,9 @@ A load has two halves, so that slow I/O never stalls generation:
 
 :class:`FilesystemTransport` handles paths and ``file://`` URIs (a directory
 of safetensors per version: local disk, a docker-compose volume, a Modal
-Volume). A GPU transport over vLLM's NCCL weight-transfer engine fits the
+Volume); the format of that directory, its checksum and the reading of its
+headers belong to ``services.weightstore``, which the learner writes it with.
+A GPU transport over vLLM's NCCL weight-transfer engine fits the
 same two methods: ``prepare`` would call ``init_weight_transfer_engine`` once
 and agree on the tensor list with the learner, ``apply`` would call
 ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` while
@@ -24,13 +26,11 @@ scheme, so adding one touches neither.
 from __future__ import annotations
 
 import asyncio
-import json
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from services import weightstore
+from services.weightstore import checkpoint_signature
 from services.wire import LoadWeights
 
 
@@ -58,56 +58,6 @@ class WeightTransport(Protocol):
     async def prepare(self, request: LoadWeights) -> Prepared: ...
 
     async def apply(self, llm: Any, prepared: Prepared) -> None: ...
-
-
-# -- safetensors headers ------------------------------------------------------
-
-
-def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Tensor name -> (dtype, shape) from a safetensors file's header, checking that
-    every tensor's byte range lies inside the file (catches truncated files).
-
-    The format is 8 bytes little-endian header length, a JSON header, then data.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise WeightLoadError(422, f"{path.name}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 << 20):
-            raise WeightLoadError(422, f"{path.name}: corrupt safetensors header (length {n})")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise WeightLoadError(422, f"{path.name}: corrupt safetensors header: {e}") from e
-    if not isinstance(header, dict):
-        raise WeightLoadError(422, f"{path.name}: corrupt safetensors header")
-    data_len = size - 8 - n
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as e:
-            raise WeightLoadError(422, f"{path.name}: corrupt entry for {name}") from e
-        if not (0 <= start <= end <= data_len):
-            raise WeightLoadError(422, f"{path.name}: {name} lies beyond the end of the file (truncated?)")
-        out[name] = (dtype, shape)
-    return out
-
-
-def checkpoint_signature(directory: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over every ``*.safetensors`` file of a checkpoint directory."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(422, f"no *.safetensors files in {directory}")
-    sig: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        for name, (_dtype, shape) in read_safetensors_header(f).items():
-            sig[name] = shape
-    return sig
 
 
 # -- filesystem ---------------------------------------------------------------
@@ -139,15 +89,13 @@ class FilesystemTransport:
             raise WeightLoadError(422, str(e)) from e
         if not path.is_dir():
             raise WeightLoadError(404, f"weights for version {request.version} not found: {path} is not a directory")
-        if request.sha256 is not None:
-            try:
-                weightstore.verify(path, request.sha256)
-            except weightstore.WeightStoreError as e:
-                raise WeightLoadError(422, f"version {request.version}: {e}") from e
-            except OSError as e:
-                raise WeightLoadError(422, f"version {request.version}: unreadable weights: {e}") from e
         try:
-            sig = checkpoint_signature(path)
+            if request.sha256 is not None:
+                weightstore.verify(path, request.sha256)
+            sig = checkpoint_signature(path)  # names and shapes, from the headers alone
+            nbytes = weightstore.total_bytes(path)
+        except weightstore.WeightStoreError as e:
+            raise WeightLoadError(422, f"version {request.version}: {e}") from e
         except OSError as e:
             raise WeightLoadError(422, f"version {request.version}: unreadable weights: {e}") from e
         missing = sorted(set(self.reference) - set(sig))
@@ -167,7 +115,7 @@ class FilesystemTransport:
             raise WeightLoadError(
                 422, f"version {request.version} does not fit the served model: {'; '.join(parts)}"
             )
-        return Prepared(request, path, weightstore.total_bytes(path))
+        return Prepared(request, path, nbytes)
 
     async def apply(self, llm: Any, prepared: Prepared) -> None:
         # vLLM's in-place reload (vllm.model_executor.model_loader.reload) loads the

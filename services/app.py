@@ -2,11 +2,14 @@
 
 ``create_app`` gives each service the same edge:
 
-- bearer-token auth on every route except ``/healthz`` (constant-time
-  comparison; 401 with ``WWW-Authenticate`` when missing or wrong; scoped
-  extra tokens from ``settings.tokens``, 403 when the scope is missing; an
-  optional read-only browser session cookie);
-- a request-size cap (413) checked before the body is read into memory;
+- bearer-token auth on every route except ``/healthz``, as one FastAPI
+  security dependency (:class:`Auth`, app-wide): ``HTTPBearer`` for the
+  token, ``APIKeyCookie`` for an optional read-only browser session;
+  constant-time comparison; 401 with ``WWW-Authenticate`` when missing or
+  wrong; scoped extra tokens from ``settings.tokens``, 403 when the scope is
+  missing. ``/openapi.json`` and ``/docs`` are served behind it too;
+- a request-size cap (413) checked before the body is read into memory
+  (:class:`BodyLimit`, plain ASGI);
 - ``/healthz`` (200 while the service's ``health`` check passes, else 503)
   and ``/metrics`` (Prometheus text from the app's own registry);
 - one error mapping: :class:`ServiceError` carries its HTTP status (and
@@ -21,15 +24,19 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from urllib.parse import parse_qsl, urlencode
+from typing import TYPE_CHECKING, Annotated, NoReturn
+from urllib.parse import urlencode
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, RedirectResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
+from fastapi.security import APIKeyCookie, HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.settings import ServiceSettings
+if TYPE_CHECKING:
+    from services.settings import CommonSettings
 
 log = logging.getLogger("tandem")
 
@@ -61,6 +68,11 @@ SCOPES = frozenset({"read", "write"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 SESSION_COOKIE = "tandem_session"
 
+bearer_scheme = HTTPBearer(auto_error=False, description="TANDEM_TOKEN (every scope) or a token of TANDEM_TOKENS")
+session_scheme = APIKeyCookie(
+    name=SESSION_COOKIE, auto_error=False, description="Browser session from `GET /?token=T`; GET/HEAD only"
+)
+
 
 def required_scope(method: str) -> str:
     """``read`` for safe methods, ``write`` for everything else."""
@@ -81,8 +93,21 @@ def _match(given: bytes, table: list[tuple[bytes, frozenset[str]]]) -> frozenset
     return found
 
 
-class EdgeMiddleware:
-    """Auth and body-size checks, as plain ASGI so nothing is read before they pass.
+def _unauthorized(problem: str) -> HTTPException:
+    return HTTPException(401, problem, headers={"WWW-Authenticate": "Bearer"})
+
+
+class SignIn(Exception):
+    """Raised by :class:`Auth` for a valid ``?token=`` login: answered with a redirect that sets the cookie."""
+
+    def __init__(self, location: str, cookie: str) -> None:
+        super().__init__(location)
+        self.location = location
+        self.cookie = cookie
+
+
+class Auth:
+    """The app-wide security dependency: who may call which route.
 
     Credentials: ``Authorization: Bearer <token>`` with ``token`` (every
     scope) or one of ``tokens`` (its scopes); a route needs ``read`` for
@@ -90,21 +115,18 @@ class EdgeMiddleware:
     ``cookie_login_path``, ``GET <path>?token=T`` sets an HttpOnly session
     cookie and redirects to the same URL without the token; the cookie
     authorizes safe methods only (a browser viewing a dashboard; forged
-    cross-site POSTs get nothing from it). ``body_limits`` overrides
-    ``max_body_bytes`` per path.
+    cross-site POSTs get nothing from it). Paths in :data:`PUBLIC_PATHS`
+    are open.
+
+    FastAPI solves dependencies after it has read a route's declared JSON
+    body (within :class:`BodyLimit`'s cap), so an anonymous request whose
+    JSON does not parse gets 422, not 401; a streamed upload (a route that
+    reads ``request.stream()``) is authorized before a byte of it is read.
     """
 
     def __init__(
-        self,
-        app,
-        token: str | None,
-        max_body_bytes: int,
-        *,
-        tokens: dict[str, list[str]] | None = None,
-        body_limits: dict[str, int] | None = None,
-        cookie_login_path: str | None = None,
+        self, token: str | None, tokens: dict[str, list[str]] | None = None, cookie_login_path: str | None = None
     ) -> None:
-        self.app = app
         self.bearers: list[tuple[bytes, frozenset[str]]] = []
         if token:
             self.bearers.append((token.encode(), SCOPES))
@@ -113,55 +135,68 @@ class EdgeMiddleware:
         self.cookies = [
             (session_cookie_value(t.decode()).encode(), scopes & {"read"}) for t, scopes in self.bearers
         ]
-        self.max_body_bytes = max_body_bytes
-        self.body_limits = body_limits or {}
         self.cookie_login_path = cookie_login_path
 
-    def _authorize(self, scope, headers: dict[bytes, bytes]):
-        """None when the request may pass, else the response to send."""
-        method = scope["method"]
-        if self.cookie_login_path == scope["path"] and method == "GET":
-            query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-            login = [v for k, v in query if k == "token"]
+    def _sign_in(self, request: Request, token: str) -> NoReturn:
+        """Answer ``GET <login path>?token=T``: a redirect that sets the cookie, or 401/403."""
+        scopes = _match(token.encode(), self.bearers)
+        if scopes is None:
+            raise _unauthorized("invalid token")
+        if "read" not in scopes:
+            raise HTTPException(403, "this token lacks the 'read' scope")
+        rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+        raise SignIn(request.scope["path"] + (f"?{rest}" if rest else ""), session_cookie_value(token))
+
+    async def __call__(
+        self,
+        request: Request,
+        bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
+        session: Annotated[str | None, Depends(session_scheme)],
+    ) -> None:
+        method = request.method
+        path = request.scope["path"]
+        if not self.bearers or path in PUBLIC_PATHS:
+            return
+        if method == "GET" and path == self.cookie_login_path:
+            login = request.query_params.getlist("token")
             if login:
-                scopes = _match(login[-1].encode(), self.bearers)
-                if scopes is None:
-                    return _json(401, {"detail": "invalid token"}, {"WWW-Authenticate": "Bearer"})
-                if "read" not in scopes:
-                    return _json(403, {"detail": "this token lacks the 'read' scope"})
-                rest = urlencode([(k, v) for k, v in query if k != "token"])
-                secure = "; Secure" if scope.get("scheme") == "https" else ""
-                cookie = f"{SESSION_COOKIE}={session_cookie_value(login[-1])}; HttpOnly; SameSite=Strict; Path=/{secure}"
-                location = scope["path"] + (f"?{rest}" if rest else "")
-                return RedirectResponse(location, status_code=303, headers={"Set-Cookie": cookie})
-        auth = headers.get(b"authorization", b"")
-        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-        cookie = _cookie(headers.get(b"cookie", b""), SESSION_COOKIE) if method in SAFE_METHODS else b""
-        if given:
-            scopes = _match(given, self.bearers)
+                self._sign_in(request, login[-1])
+        if session and method not in SAFE_METHODS:
+            session = None  # a cookie never authorizes a write
+        if bearer is not None:
+            # Starlette decodes headers as latin-1: this gives back the bytes sent
+            scopes = _match(bearer.credentials.encode("latin-1"), self.bearers)
             problem = "invalid bearer token"
-        elif cookie:
-            scopes = _match(cookie, self.cookies)
+        elif session:
+            scopes = _match(session.encode("latin-1"), self.cookies)
             problem = "invalid session cookie"
         else:
             scopes, problem = None, "missing bearer token"
         if scopes is None:
-            return _json(401, {"detail": problem}, {"WWW-Authenticate": "Bearer"})
+            raise _unauthorized(problem)
         need = required_scope(method)
         if need not in scopes:
-            return _json(403, {"detail": f"this token lacks the '{need}' scope"})
-        return None
+            raise HTTPException(403, f"this token lacks the '{need}' scope")
+
+
+class BodyLimit:
+    """The request-size cap, as plain ASGI so nothing is read past it.
+
+    413 from ``Content-Length`` before any of the body is read, or as soon
+    as a streamed body passes the limit. ``body_limits`` overrides
+    ``max_body_bytes`` per path.
+    """
+
+    def __init__(self, app, max_body_bytes: int, body_limits: dict[str, int] | None = None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_limits = body_limits or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.bearers and scope["path"] not in PUBLIC_PATHS:
-            refusal = self._authorize(scope, headers)
-            if refusal is not None:
-                return await refusal(scope, receive, send)
         limit = self.body_limits.get(scope["path"], self.max_body_bytes)
-        length = headers.get(b"content-length")
+        length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             resp = _json(413, {"detail": f"request body over {limit} bytes"})
             return await resp(scope, receive, send)
@@ -187,17 +222,9 @@ class EdgeMiddleware:
             await _json(e.status, {"detail": e.message})(scope, receive, send)
 
 
-def _cookie(header: bytes, name: str) -> bytes:
-    for part in header.split(b";"):
-        key, _, value = part.strip().partition(b"=")
-        if key == name.encode():
-            return value
-    return b""
-
-
 def create_app(
     title: str,
-    settings: ServiceSettings,
+    settings: CommonSettings,
     *,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager] | None = None,
     health: Callable[[], Awaitable[bool]] | None = None,
@@ -209,21 +236,33 @@ def create_app(
 
     ``body_limits`` sets per-path request-size caps (default
     ``settings.max_body_bytes``); ``cookie_login_path`` enables the browser
-    session cookie on that path (see :class:`EdgeMiddleware`).
+    session cookie on that path (see :class:`Auth`). Auth is off when the
+    settings hold no token (``check_auth_safe`` allows that on loopback only).
     """
     settings.check_auth_safe()
-    app = FastAPI(title=title, lifespan=lifespan)
+    token = settings.token.get_secret_value() if settings.token else None
+    auth = Auth(token, settings.tokens, cookie_login_path)
+    # FastAPI's own /openapi.json and /docs are plain routes that no dependency guards:
+    # they are turned off here and served below as routes behind ``auth``.
+    app = FastAPI(
+        title=title,
+        lifespan=lifespan,
+        dependencies=[Depends(auth)] if auth.bearers else [],
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.metrics = registry or CollectorRegistry()
-    token = settings.token.get_secret_value() if settings.token else None
-    app.add_middleware(
-        EdgeMiddleware,
-        token=token,
-        max_body_bytes=settings.max_body_bytes,
-        tokens=settings.tokens,
-        body_limits=body_limits,
-        cookie_login_path=cookie_login_path,
-    )
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, body_limits=body_limits)
+
+    @app.exception_handler(SignIn)
+    async def _signed_in(request: Request, e: SignIn) -> RedirectResponse:
+        resp = RedirectResponse(e.location, status_code=303)
+        resp.set_cookie(
+            SESSION_COOKIE, e.cookie, path="/", httponly=True, samesite="Strict", secure=request.url.scheme == "https"
+        )
+        return resp
 
     @app.exception_handler(ServiceError)
     async def _service_error(_req: Request, e: ServiceError) -> JSONResponse:
@@ -244,6 +283,18 @@ def create_app(
         ok = True if health is None else await health()
         return _json(200 if ok else 503, {"status": "ok" if ok else "unhealthy", "service": title})
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def _openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def _docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def _redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{title} - ReDoc")
+
     @app.get("/metrics", include_in_schema=False)
     async def _metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(app.state.metrics), media_type=CONTENT_TYPE_LATEST)
@@ -251,7 +302,7 @@ def create_app(
     return app
 
 
-def serve(app: FastAPI, settings: ServiceSettings) -> None:
+def serve(app: FastAPI, settings: CommonSettings) -> None:
     """Run ``app`` with uvicorn on the settings' host and port (blocks)."""
     import uvicorn
 

@@ -38,6 +38,34 @@ SERVICE_PACKAGES = {
 }
 
 
+def settings_classes() -> dict[str, type]:
+    """Each process's settings class by name (light modules: pydantic only)."""
+    from learner.settings import LearnerSettings
+    from reward_server.settings import RewardSettings
+    from rollout_server.settings import RolloutSettings
+    from services.settings import ClientSettings, ControlSettings, StackSettings
+
+    return {"control": ControlSettings, "rollout": RolloutSettings, "reward": RewardSettings,
+            "learner": LearnerSettings, "stack": StackSettings, "client": ClientSettings}
+
+
+def _settings(name: str, **overrides):
+    """``name``'s settings from the environment (checked against every class) and CLI overrides."""
+    from pydantic import ValidationError
+
+    from services.settings import SettingsError, check_environment
+
+    classes = settings_classes()
+    try:
+        check_environment(classes.values())
+        return classes[name](**{k: v for k, v in overrides.items() if v is not None})
+    except SettingsError as e:
+        _fail(str(e))
+    except ValidationError as e:
+        _fail(f"settings of {name}: " + "; ".join(
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -55,13 +83,17 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port to listen on (default TANDEM_PORT).")] = None,
     model: Annotated[Path | None, typer.Option("--model", help="rollout: serve this model directory without a run config.")] = None,
 ) -> None:
-    """Run one service in the foreground (docker-compose and Modal use this)."""
-    from services.config import ConfigError, load_run_config
-    from services.settings import ServiceSettings
+    """Run one service in the foreground (docker-compose and Modal use this).
 
-    overrides = {k: v for k, v in {"host": host, "port": port, "model": model}.items() if v is not None}
+    Every rank of a multi-rank learner runs this too:
+    ``torchrun --nproc_per_node N -m services.cli serve learner --config RUN.toml`` (rank 0 serves HTTP).
+    """
+    from services.config import ConfigError, load_run_config
+
+    if model is not None and name is not ServiceName.rollout:
+        _fail("--model is for `tandem serve rollout`")
+    settings = _settings(name.value, host=host, port=port, model=model)
     try:
-        settings = ServiceSettings(**overrides)
         settings.check_auth_safe()
         run_config = load_run_config(config) if config else None
     except (ConfigError, ValueError) as e:
@@ -70,6 +102,23 @@ def serve(
     if not hasattr(package, "serve"):
         _fail(f"service {name.value!r} is not available in this build")
     package.serve(settings, run_config)
+
+
+@app.command()
+def config(
+    name: Annotated[str | None, typer.Argument(help="control, rollout, reward, learner, stack or client (default: all).")] = None,
+) -> None:
+    """Print the effective settings (from TANDEM_* and REDIS_URL) as JSON, secrets masked."""
+    import json
+
+    classes = settings_classes()
+    if name is not None and name not in classes:
+        _fail(f"no settings named {name!r} (choose from {', '.join(classes)})")
+    out = {}
+    for key in [name] if name else classes:
+        settings = _settings(key)
+        out[key] = settings.masked() if hasattr(settings, "masked") else settings.model_dump(mode="json")
+    typer.echo(json.dumps(out[name] if name else out, indent=2))
 
 
 @app.command()
@@ -87,7 +136,7 @@ def run(
     except ConfigError as e:
         _fail(str(e))
     try:
-        run_dir = run_job(config, run_config, runs_root)
+        run_dir = run_job(config, run_config, _settings("stack"), runs_root)
     except (JobError, StackError) as e:
         _fail(f"tandem run failed: {e}", code=1)
     typer.echo(str(run_dir))
@@ -113,7 +162,7 @@ def bootstrap_model(
     seed: Annotated[int, typer.Option(help="Seed (the build is deterministic).")] = 0,
 ) -> None:
     """Build the small example policy offline (random Qwen3 + a short supervised cold start)."""
-    from learner.bootstrap import SFT_STEPS, bootstrap
+    from examples.arith.bootstrap import SFT_STEPS, bootstrap
     from services.progress import progress_bar
 
     if not data.exists():
@@ -135,17 +184,13 @@ def up(
     import os
     import signal
 
-    from services.settings import ServiceSettings
     from services.supervisor import SERVICES, Stack, StackError
 
     services = tuple(s.strip() for s in only.split(",")) if only else SERVICES
     unknown = set(services) - set(SERVICES)
     if unknown:
         _fail(f"--only: unknown services {sorted(unknown)} (choose from {', '.join(SERVICES)})")
-    settings = ServiceSettings()
-    token = settings.token.get_secret_value() if settings.token else None
-    stack = Stack(run_dir, config=config, token=token, redis_url=settings.redis_url,
-                  services=tuple(s for s in SERVICES if s in services))
+    stack = Stack(run_dir, _settings("stack"), config=config, services=tuple(s for s in SERVICES if s in services))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
     try:
         stack.start()
@@ -167,19 +212,19 @@ def up(
 
 
 def _control(url: str | None, run_dir: Path = Path("runs/stack")):
-    """A control-plane client: --url / TANDEM_CONTROL_URL, else the local stack's stack.json."""
+    """A control-plane client: --url / TANDEM_URL, else the local stack's stack.json."""
     import json
-    import os
 
     from services.clients import ControlClient
 
-    token = os.environ.get("TANDEM_TOKEN")
+    settings = _settings("client")
+    token = settings.token.get_secret_value() if settings.token else None
+    url = url or settings.url
     info = run_dir / "stack.json"
-    if url is None and "TANDEM_CONTROL_URL" not in os.environ and info.exists():
+    if url is None and info.exists():
         stack = json.loads(info.read_text())
         url, token = stack["urls"]["control"], token or stack["token"]
-    url = url or os.environ.get("TANDEM_CONTROL_URL", "http://127.0.0.1:8000")
-    return ControlClient(url, token, attempts=3)
+    return ControlClient(url or "http://127.0.0.1:8000", token, attempts=3)
 
 
 def _http_error(e) -> str:
@@ -199,7 +244,7 @@ def _http_error(e) -> str:
 def submit(
     prompts: Annotated[Path, typer.Argument(help="Prompt set: JSON lines with 'prompt' and reward-spec fields.")],
     config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML).")],
-    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_CONTROL_URL or the local stack).")] = None,
+    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_URL or the local stack).")] = None,
 ) -> None:
     """Upload a prompt set and start a run on a control plane; print the run id."""
     import asyncio
@@ -233,7 +278,7 @@ def submit(
 @app.command()
 def status(
     run_id: Annotated[str | None, typer.Argument(help="Run to show (default: every run).")] = None,
-    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_CONTROL_URL or the local stack).")] = None,
+    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_URL or the local stack).")] = None,
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until the run ends.")] = False,
 ) -> None:
     """Show run progress: state, step, reward, accuracy, staleness, throughput."""
@@ -245,13 +290,14 @@ def status(
     from rich.live import Live
 
     from services.report import runs_table, status_table
+    from services.wire import TERMINAL_STATES
 
     async def fetch():
         async with _control(url) as client:
             if run_id is None:
                 return runs_table(await client.runs())
             st = await client.run_status(run_id)
-            return status_table(st), st.run.state in ("finished", "stopped", "failed")
+            return status_table(st), st.run.state in TERMINAL_STATES
 
     try:
         if run_id is None:

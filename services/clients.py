@@ -2,7 +2,9 @@
 
 Retries live here, as pure predicates: retry transport errors, timeouts,
 429 and 5xx (honouring ``Retry-After``), never another 4xx: a 4xx means the
-request is wrong and repeating it cannot help.
+request is wrong and repeating it cannot help. :func:`is_retryable` is also
+what a caller asks once the client's own attempts are spent (the rollout
+actor: leave the prompt for a later delivery, or dead-letter it).
 """
 
 from __future__ import annotations
@@ -14,13 +16,12 @@ from tenacity.wait import wait_base, wait_exponential_jitter
 
 from services import wire
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-
 
 def is_retryable(exc: BaseException) -> bool:
-    """True for failures a later attempt may not repeat."""
+    """True for failures a later attempt may not repeat: transport errors, timeouts, 429, 5xx."""
     if isinstance(exc, httpx.HTTPStatusError):
-        return exc.response.status_code in RETRY_STATUSES
+        code = exc.response.status_code
+        return code == 429 or 500 <= code <= 599
     return isinstance(exc, httpx.TransportError)  # connect/read errors and timeouts
 
 

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.keys import check_run_id
+from services.wire import RewardType
 
 
 class Section(BaseModel):
@@ -63,7 +64,7 @@ class SamplingConfig(Section):
 
 
 class RewardConfig(Section):
-    type: Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "combined"] = "math"
+    type: RewardType = "math"
     """Default reward type for prompt-set lines that do not name one."""
     extract: Literal["answer_tag", "boxed", "last_number", "whole"] = "answer_tag"
     """Default answer extraction for math/exact/numeric specs."""

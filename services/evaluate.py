@@ -19,8 +19,7 @@ from pathlib import Path
 from services import wire
 from services.clients import RewardClient, RolloutClient
 from services.config import RunConfig
-from services.control.groups import line_specs
-from services.control.prompt_sets import LineParser
+from services.promptsets import LineParser, line_specs
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,8 @@ from services.evaluate import EvalResult, evaluate, load_eval_set
 from services.progress import progress_bar
 from services.report import write_plots, write_summary
 from services.runs import MetricsLog
+from services.settings import StackSettings
 from services.supervisor import Stack
-
-TERMINAL = ("finished", "stopped", "failed")
 
 
 class JobError(RuntimeError):
@@ -47,7 +46,7 @@ def ensure_model(config: RunConfig, console: Console) -> None:
         return
     if config.model.bootstrap is None:
         raise JobError(f"model.path {config.model.path} holds no model and model.bootstrap is not set")
-    from learner.bootstrap import SFT_STEPS, bootstrap
+    from examples.arith.bootstrap import SFT_STEPS, bootstrap
 
     console.print(f"bootstrapping the example model into {config.model.path} (a one-time cold start)")
     with progress_bar("bootstrap SFT", total=SFT_STEPS) as update:
@@ -72,7 +71,7 @@ async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatu
                 lag = st.staleness.max_observed_lag
                 update(st.run.step, f"reward {st.reward_mean if st.reward_mean is not None else float('nan'):.2f}"
                                     f"  lag<={lag if lag is not None else '-'}  dropped {st.staleness.stale_dropped}")
-                if st.run.state in TERMINAL:
+                if st.run.state in wire.TERMINAL_STATES:
                     return st
                 await asyncio.sleep(1.0)
 
@@ -110,7 +109,7 @@ def _stack_lines_only(console: Console):
     return echo
 
 
-def run_job(config_path: Path, config: RunConfig, runs_root: Path = Path("runs")) -> Path:
+def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_root: Path = Path("runs")) -> Path:
     """Run the main job; return the run directory. Raises :class:`JobError` on failure."""
     console = Console()
     started = time.monotonic()
@@ -118,7 +117,7 @@ def run_job(config_path: Path, config: RunConfig, runs_root: Path = Path("runs")
     if config.data.eval is None:
         raise JobError("data.eval is required: the main job reports held-out accuracy before and after")
     work = runs_root.resolve() / f".stack-{os.getpid()}"
-    stack = Stack(work, config=config_path, echo=_stack_lines_only(console))
+    stack = Stack(work, settings, config=config_path, echo=_stack_lines_only(console))
     run_id = None
     try:
         with console.status("starting the stack (redis, reward, control, rollout, learner)"):

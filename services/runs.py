@@ -11,16 +11,19 @@ Lifecycle (one active run per stack; ``queued`` and ``running`` are active)::
     queued --> running --> finished | stopped | failed
     queued --> stopped | failed
 
-How the services use it::
+How the services use it (a service started without ``TANDEM_RUN_ID``
+follows the active run with one :class:`RunWatcher`)::
 
     store = RunStore(redis)
-    run = await store.active()                  # learner polls: the run to work on, or None
-    await store.set_state(run.run_id, "running")    # learner, once its engine is up
-    config = parse_run_config(run.config)        # the run's RunConfig
-    await store.update(run.run_id, step=12, policy_version=12)
-    await MetricsLog(redis, Keys(run.run_id)).append("learner", 12, reward_mean=0.4, kl=0.01)
-    await store.set_state(run.run_id, "finished")   # or "failed", error="..."
-    if not await store.is_live(run_id): ...       # everyone: stop working once stopped/finished
+    runs = RunWatcher(store, poll_s=0.5)
+    async for run in runs:                          # each run the control plane activates, config parsed
+        await store.set_state(run.run_id, "running")    # learner, once its engine is up
+        ...  # work on run.config (a RunConfig)
+        await store.update(run.run_id, step=12, policy_version=12)
+        await MetricsLog(redis, Keys(run.run_id)).append("learner", 12, reward_mean=0.4, kl=0.01)
+        async for _ in runs.while_live(run.run_id):     # everyone: every poll_s until stopped/finished
+            ...
+        await store.set_state(run.run_id, "finished")   # or "failed", error="..."
 
 The control plane has already enqueued the run's prompt groups on
 ``Stream.prompts(redis, Keys(run_id))`` and created the ``rollout`` and
@@ -37,16 +40,24 @@ latest value of each, the first ``accuracy`` and the largest ``lag_max``.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import re
+import threading
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from broker.keys import ACTIVE_RUN, RUNS, Keys
+from services.config import ConfigError, RunConfig, parse_run_config
 from services.wire import TERMINAL_STATES, MetricPoint, RunRecord, RunState
+
+log = logging.getLogger("tandem.runs")
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "queued": frozenset({"running", "stopped", "failed"}),
@@ -272,6 +283,79 @@ class RunStore:
             fields += ["policy_version", int(policy_version)]
         if fields and not await self._update(keys=[_state_key(run_id)], args=fields):
             raise UnknownRun(run_id)
+
+
+@dataclass(frozen=True)
+class ActiveRun:
+    """A run the control plane activated, as :class:`RunWatcher` hands it out: its config validated."""
+
+    record: RunRecord
+    config: RunConfig
+
+    @property
+    def run_id(self) -> str:
+        return self.record.run_id
+
+
+class RunWatcher:
+    """Follows the control plane's active run: the one place a service waits for runs.
+
+    ``async for run in watcher`` yields each run that becomes active, as an
+    :class:`ActiveRun`, and :meth:`while_live` ticks while that run is live;
+    the service does its own work in between (see the module docstring).
+
+    - A run is offered once per watcher: a service that is done with it, or
+      gave up on it (a rollout server refusing another model), is not
+      offered it again.
+    - The run's config is validated here and nowhere else. A run whose
+      config does not validate is never offered: whichever service sees it
+      first marks it ``failed`` with the validation error as its ``error``.
+    - ``stop`` (set from another thread, e.g. by an HTTP server's shutdown)
+      ends both loops at the next poll; cancelling the task ends them at once.
+    """
+
+    def __init__(self, store: RunStore, *, poll_s: float = 0.5, stop: threading.Event | None = None) -> None:
+        self.store = store
+        self.poll_s = poll_s
+        self.stop = stop
+        self._offered: set[str] = set()
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+    async def next(self) -> ActiveRun | None:
+        """Wait for an active run not offered before, with a valid config; None once ``stop`` is set."""
+        while not self._stopping():
+            record = await self.store.active()
+            if record is None or record.run_id in self._offered:
+                await asyncio.sleep(self.poll_s)
+                continue
+            self._offered.add(record.run_id)
+            try:
+                config = parse_run_config(record.config, f"run {record.run_id}")
+            except ConfigError as e:
+                await self._refuse(record.run_id, str(e))
+                continue
+            return ActiveRun(record, config)
+        return None
+
+    async def __aiter__(self) -> AsyncIterator[ActiveRun]:
+        while (run := await self.next()) is not None:
+            yield run
+
+    async def while_live(self, run_id: str) -> AsyncIterator[None]:
+        """Tick every ``poll_s`` while the run is queued or running; return once it is not
+        (finished, stopped, failed) or ``stop`` is set."""
+        while not self._stopping() and await self.store.is_live(run_id):
+            await asyncio.sleep(self.poll_s)
+            yield
+
+    async def _refuse(self, run_id: str, error: str) -> None:
+        log.error("run %s cannot be served: %s", run_id, error)
+        try:
+            await self.store.set_state(run_id, "failed", error=error)
+        except TransitionError:
+            pass  # another service failed it first, or it was stopped meanwhile
 
 
 class MetricsLog:

@@ -1,56 +1,99 @@
-"""Service settings: where a process listens and how it reaches the others.
+"""Service settings: how a process listens and how it reaches the others.
 
-Read from ``TANDEM_*`` environment variables (``REDIS_URL`` is honoured too,
-as docker-compose and Modal set it). ``tandem serve`` flags override them.
+One class per process, each reading its own environment variables:
+
+| class | process | variables |
+|---|---|---|
+| :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``REDIS_URL`` |
+| :class:`WorkerSettings` | what a rollout server and the learner share | ``TANDEM_RUN_ID``, ``TANDEM_SERVER_ID`` |
+| :class:`ControlSettings` | control plane (``services.control``) | ``TANDEM_CONTROL_*`` |
+| ``RolloutSettings`` | rollout server (``rollout_server.settings``) | ``TANDEM_ROLLOUT_*`` |
+| ``RewardSettings`` | reward server (``reward_server.settings``) | ``TANDEM_REWARD_*`` |
+| ``LearnerSettings`` | learner (``learner.settings``) | ``TANDEM_LEARNER_*`` |
+| :class:`StackSettings` | the supervisor (``tandem up``, ``tandem run``) | ``TANDEM_STACK_*`` |
+| :class:`ClientSettings` | the CLI as a client (``tandem submit``, ``status``) | ``TANDEM_URL``, ``TANDEM_TOKEN`` |
+
+``REDIS_URL`` is the one name outside the ``TANDEM_`` prefix (the name Redis
+hosts, docker-compose and Modal Secrets use). No other variable is read: a
+bare ``SEED`` or ``DTYPE`` changes nothing, and :func:`check_environment`
+refuses a ``TANDEM_*`` variable that no class declares, naming the closest
+valid one (the CLI calls it at start-up with every class).
+``tandem config`` prints the effective settings with secrets masked.
 """
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+PREFIX = "TANDEM_"
 
 
-class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TANDEM_", extra="ignore", use_attribute_docstrings=True)
+def settings_config(prefix: str) -> SettingsConfigDict:
+    return SettingsConfigDict(env_prefix=prefix, extra="forbid", use_attribute_docstrings=True,
+                              populate_by_name=True)
 
-    token: SecretStr | None = None
+
+class _EnvByNameOnce(EnvSettingsSource):
+    """The environment, each field read under one name: its alias if it has one, else prefix + name.
+
+    ``populate_by_name`` (so that code and tests can pass ``token=...``) would otherwise make the
+    environment source read a field under both names: ``TANDEM_CONTROL_PORT`` as well as ``TANDEM_PORT``.
+    """
+
+    def _extract_field_info(self, field, field_name, model_config=None):
+        return super()._extract_field_info(field, field_name, {**(model_config or self.config), "populate_by_name": False})
+
+
+class SettingsError(ValueError):
+    """The environment names a variable no settings class reads."""
+
+
+class CommonSettings(BaseSettings):
+    """What every service reads: ``TANDEM_*`` without a process prefix, and ``REDIS_URL``.
+
+    Each field names its variable (``validation_alias``), so a subclass's prefix applies only
+    to the subclass's own fields."""
+
+    model_config = settings_config(PREFIX)
+
+    token: SecretStr | None = Field(default=None, validation_alias="TANDEM_TOKEN")
     """Bearer token every route except /healthz requires (TANDEM_TOKEN). Unset: auth is off,
     allowed only on a loopback address."""
-    host: str = "127.0.0.1"
-    """Address to listen on."""
-    port: int = Field(default=8000, ge=0, le=65535)
-    """Port to listen on."""
-    redis_url: str | None = Field(default=None, validation_alias=AliasChoices("REDIS_URL", "TANDEM_REDIS_URL"))
-    """Redis to use; unset = start an embedded redis-server in the run directory."""
-    run_dir: Path = Path("runs")
-    """Where runs, weight versions and the embedded Redis data live."""
-    run_id: str | None = None
-    """The run a rollout server or learner works for (set by the supervisor or control plane)."""
-    model: Path | None = None
-    """Model directory for `tandem serve rollout --model DIR` without a run config."""
-    server_id: str | None = None
-    """Name of this process in metrics and the in-use registry (default: host:port)."""
-    control_url: str = "http://127.0.0.1:8000"
-    """Control plane base URL."""
-    rollout_urls: list[str] = Field(default_factory=lambda: ["http://127.0.0.1:8001"])
-    """Rollout server base URLs (JSON list in the environment)."""
-    reward_url: str = "http://127.0.0.1:8002"
-    """Reward server base URL."""
-    learner_url: str = "http://127.0.0.1:8003"
-    """Learner base URL."""
-    tokens: dict[str, list[Literal["read", "write"]]] = Field(default_factory=dict, repr=False)
+    tokens: dict[str, list[Literal["read", "write"]]] = Field(
+        default_factory=dict, repr=False, validation_alias="TANDEM_TOKENS")
     """Extra bearer tokens with scopes (TANDEM_TOKENS, JSON: {"token": ["read"]}). "read" allows
     GET/HEAD, "write" every other method; a token lacking the scope gets 403. TANDEM_TOKEN has both."""
-    max_body_bytes: int = Field(default=64 << 20, ge=1024)
-    """Requests larger than this get 413."""
-    max_prompt_set_bytes: int = Field(default=64 << 20, ge=1024)
-    """Control plane: prompt-set uploads larger than this get 413 (TANDEM_MAX_PROMPT_SET_BYTES)."""
-    log_level: str = "info"
-    """uvicorn log level."""
+    host: str = Field(default="127.0.0.1", validation_alias="TANDEM_HOST")
+    """Address to listen on (TANDEM_HOST; `tandem serve --host` wins)."""
+    port: int = Field(default=8000, ge=0, le=65535, validation_alias="TANDEM_PORT")
+    """Port to listen on (TANDEM_PORT; `tandem serve --port` wins)."""
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        default="info", validation_alias="TANDEM_LOG_LEVEL")
+    """Log level (TANDEM_LOG_LEVEL)."""
+    max_body_bytes: int = Field(default=64 << 20, ge=1024, validation_alias="TANDEM_MAX_BODY_BYTES")
+    """Requests larger than this get 413 (TANDEM_MAX_BODY_BYTES)."""
+    run_dir: Path = Field(default=Path("runs"), validation_alias="TANDEM_RUN_DIR")
+    """Where runs, weight versions and the embedded Redis data live (TANDEM_RUN_DIR)."""
+    redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
+    """Redis to use (REDIS_URL); unset = start an embedded redis-server in the run directory."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _EnvByNameOnce(settings_cls)  # no .env file, no secrets directory
 
     def check_auth_safe(self) -> None:
         """Refuse to listen beyond loopback without a token."""
@@ -63,6 +106,87 @@ class ServiceSettings(BaseSettings):
         if not loopback:
             raise ValueError(f"TANDEM_TOKEN is unset: refusing to listen on {self.host} without auth")
 
+    def masked(self) -> dict[str, Any]:
+        """The effective settings as JSON-able values, secrets (tokens, keys, passwords in URLs) masked."""
+        out = self.model_dump(mode="json")
+        if self.tokens:
+            out["tokens"] = {f"**********{i}": scopes for i, scopes in enumerate(self.tokens.values())}
+        if self.redis_url and "@" in self.redis_url:
+            scheme, rest = self.redis_url.split("://", 1) if "://" in self.redis_url else ("", self.redis_url)
+            out["redis_url"] = f"{scheme}://**********@{rest.rsplit('@', 1)[1]}"
+        return out
+
+
+class WorkerSettings(CommonSettings):
+    """What a rollout server and the learner share: which run they work for, and their name."""
+
+    run_id: str | None = Field(default=None, validation_alias="TANDEM_RUN_ID")
+    """The run this process works for (TANDEM_RUN_ID). Unset: follow whichever run the control
+    plane activates (`tandem up`, docker-compose)."""
+    server_id: str | None = Field(default=None, validation_alias="TANDEM_SERVER_ID")
+    """Name of this process in metrics and the in-use registry (TANDEM_SERVER_ID; default host:port)."""
+
     @property
     def name(self) -> str:
         return self.server_id or f"{self.host}:{self.port}"
+
+
+class ControlSettings(CommonSettings):
+    """The control plane (`tandem serve control`): ``TANDEM_CONTROL_*``."""
+
+    model_config = settings_config(PREFIX + "CONTROL_")
+
+    max_prompt_set_bytes: int = Field(default=64 << 20, ge=1024)
+    """Prompt-set uploads larger than this get 413 (TANDEM_CONTROL_MAX_PROMPT_SET_BYTES)."""
+
+
+class StackSettings(CommonSettings):
+    """The supervisor of the local stack (`tandem up`, `tandem run`): ``TANDEM_STACK_*``."""
+
+    model_config = settings_config(PREFIX + "STACK_")
+
+    max_restarts: int = Field(default=3, ge=0)
+    """Restarts of a crashed service (with back-off) before the stack fails (TANDEM_STACK_MAX_RESTARTS)."""
+    stop_grace_s: float = Field(default=15.0, ge=0)
+    """Seconds a service gets to exit after SIGTERM before its process group is killed
+    (TANDEM_STACK_STOP_GRACE_S)."""
+
+
+class ClientSettings(BaseSettings):
+    """The CLI as a client of a control plane (`tandem submit`, `tandem status`)."""
+
+    model_config = settings_config(PREFIX)
+
+    url: str | None = None
+    """Control plane URL (TANDEM_URL; `--url` wins). Unset: the local stack's `stack.json`, else
+    http://127.0.0.1:8000."""
+    token: SecretStr | None = None
+    """Bearer token for the control plane (TANDEM_TOKEN)."""
+
+
+def env_names(cls: type[BaseSettings]) -> set[str]:
+    """The environment variables ``cls`` reads."""
+    prefix = cls.model_config.get("env_prefix", "")
+    names = set()
+    for name, field in cls.model_fields.items():
+        alias = field.validation_alias
+        names.add(alias if isinstance(alias, str) else f"{prefix}{name}".upper())
+    return names
+
+
+def check_environment(classes: Iterable[type[BaseSettings]], environ: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`SettingsError` for each ``TANDEM_*`` variable none of ``classes`` reads.
+
+    The CLI passes every process's class: a variable of another process is fine (docker-compose
+    and ``tandem up`` give one environment to several processes); a misspelt one is not, since it
+    would be silently ignored.
+    """
+    environ = os.environ if environ is None else environ
+    known = set().union(*(env_names(c) for c in classes))
+    unknown = sorted(k for k in environ if k.startswith(PREFIX) and k not in known)
+    if unknown:
+        lines = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+            lines.append(f"{name}: unknown setting" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise SettingsError("; ".join(lines) + " — `tandem config` lists every setting")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -32,9 +31,13 @@ from pathlib import Path
 
 import httpx
 
-from broker.embedded import EmbeddedRedis, die_with_parent, free_port
+from broker.embedded import EmbeddedRedis
+from broker.processes import die_with_parent, free_port, stop_groups
+from services.settings import StackSettings
 
 SERVICES = ("reward", "control", "rollout", "learner")
+# Set per service by the stack; a value in the caller's environment would be wrong for all but one.
+_STACK_DECIDES = {"TANDEM_PORT", "TANDEM_HOST", "TANDEM_RUN_ID", "TANDEM_SERVER_ID", "TANDEM_TOKENS"}
 START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 300, "learner": 300}
 
 
@@ -62,25 +65,22 @@ class Stack:
     def __init__(
         self,
         run_dir: str | Path,
+        settings: StackSettings | None = None,
         *,
         config: str | Path | None = None,
-        token: str | None = None,
-        redis_url: str | None = None,
         services: tuple[str, ...] = SERVICES,
-        max_restarts: int = 3,
         echo: Callable[[str], None] | None = None,
-        extra_env: dict[str, str] | None = None,
     ) -> None:
+        self.settings = settings or StackSettings()
         self.run_dir = Path(run_dir).resolve()
         self.config = Path(config).resolve() if config else None
-        self.token = token or secrets.token_urlsafe(24)
-        self.external_redis = redis_url
+        self.token = self.settings.token.get_secret_value() if self.settings.token else secrets.token_urlsafe(24)
+        self.external_redis = self.settings.redis_url
         self.services = services
-        self.max_restarts = max_restarts
+        self.max_restarts = self.settings.max_restarts
         self.echo = echo or (lambda line: print(line, flush=True))
-        self.extra_env = extra_env or {}
         self.redis: EmbeddedRedis | None = None
-        self.redis_url = redis_url or ""
+        self.redis_url = self.external_redis or ""
         self.children: dict[str, Child] = {}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
@@ -110,7 +110,9 @@ class Stack:
         return self
 
     def _env(self, ports: dict[str, int]) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        """The services' environment: the caller's (their own TANDEM_<SERVICE>_* settings pass
+        through), with what the stack decides for every service set here."""
+        env = {k: v for k, v in os.environ.items() if k not in _STACK_DECIDES}
         env.update({
             "TANDEM_TOKEN": self.token,
             "TANDEM_HOST": "127.0.0.1",
@@ -118,13 +120,8 @@ class Stack:
             "TANDEM_RUN_DIR": str(self.run_dir),
             "PYTHONUNBUFFERED": "1",
         })
-        for name, var in [("control", "TANDEM_CONTROL_URL"), ("reward", "TANDEM_REWARD_URL"),
-                          ("learner", "TANDEM_LEARNER_URL")]:
-            if name in ports:
-                env[var] = f"http://127.0.0.1:{ports[name]}"
-        if "rollout" in ports:
-            env["TANDEM_ROLLOUT_URLS"] = f'["http://127.0.0.1:{ports["rollout"]}"]'
-        env.update(self.extra_env)
+        if "reward" in ports:
+            env["TANDEM_ROLLOUT_REWARD_URL"] = f"http://127.0.0.1:{ports['reward']}"
         return env
 
     def _spawn(self, child: Child) -> None:
@@ -185,27 +182,15 @@ class Stack:
 
     # -- stop --------------------------------------------------------------
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self) -> None:
         """End every child's process group, then Redis. Safe to call twice."""
         with self._lock:
             self._stopping.set()
-            alive = [c for c in self.children.values() if c.proc is not None and c.proc.poll() is None]
-            # SIGTERM to each service's own process only: it shuts its children down in order (the
-            # rollout server stops vLLM's engine core itself; a group-wide SIGTERM killed the core
-            # under it and turned a clean stop into an engine-death exit). The group gets SIGKILL below.
-            for child in reversed(alive):
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for child in alive:
-                try:
-                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self.echo(f"[stack] {child.name} ignored SIGTERM; killing it")
-            for child in self.children.values():
-                if child.proc is not None:
-                    _signal_group(child.proc, signal.SIGKILL)  # stragglers in the group, too
-                    child.proc.wait()
+            started = [c for c in self.children.values() if c.proc is not None]
+            names = {c.proc.pid: c.name for c in started}
+            stop_groups([c.proc for c in reversed(started)], self.settings.stop_grace_s,
+                        on_timeout=lambda p: self.echo(f"[stack] {names[p.pid]} ignored SIGTERM; killing it"))
+            for child in started:
                 if child.log_thread is not None:
                     child.log_thread.join(timeout=5)
             if self.redis is not None:
@@ -266,25 +251,3 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path |
     if log is not None:
         problem += "\n" + log.read_bytes()[-3000:].decode(errors="replace")
     raise StackError(problem)
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
-    """End a service started in its own process group; return its exit status.
-
-    SIGTERM goes to the service's own process, which shuts its children down
-    in order; after it exits, or after ``grace_s``, the whole group gets
-    SIGKILL (stragglers). :meth:`Stack.stop` does the same for every child at once.
-    """
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    _signal_group(proc, signal.SIGKILL)
-    return proc.wait(timeout=30)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Literal, TypeVar, get_args
 
 import msgpack
 import numpy as np
@@ -222,7 +222,9 @@ RewardSpec = Annotated[
 WeightedSpec.model_rebuild()
 CombinedSpec.model_rebuild()
 
-REWARD_TYPES = ("math", "exact", "numeric", "regex", "python_tests", "judge", "combined")
+RewardType = Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "combined"]
+"""The ``type`` of every spec in :data:`RewardSpec` (the run config's ``reward.type`` too)."""
+REWARD_TYPES: tuple[str, ...] = get_args(RewardType)
 
 ScoreStatus = Literal[
     "ok",  # scored; reward says how well

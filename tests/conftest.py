@@ -22,6 +22,25 @@ pytest_plugins = sorted(
 )
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tree(path: Path) -> set[tuple[str, int]]:
+    return {(str(p), p.stat().st_mtime_ns) for p in path.rglob("*")} if path.exists() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def writes_stay_in_tmp(tmp_path_factory):
+    """Services started by tests keep their run directories under pytest's temporary directory
+    (TANDEM_RUN_DIR, inherited by child processes), and the session fails if the repository's
+    ``runs/`` changed."""
+    before = _tree(ROOT / "runs")
+    os.environ["TANDEM_RUN_DIR"] = str(tmp_path_factory.mktemp("run-dir"))
+    yield
+    changed = _tree(ROOT / "runs") ^ before
+    assert not changed, f"tests wrote into the repository's runs/: {sorted(changed)[:5]}"
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server child process (embedded broker) for the whole session."""
@@ -34,7 +53,7 @@ def redis_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def redis_url(redis_server) -> str:
-    return os.environ.get("TANDEM_TEST_REDIS_URL") or redis_server.url
+    return os.environ.get("TEST_REDIS_URL") or redis_server.url
 
 
 @pytest.fixture
@@ -57,6 +76,6 @@ def keys():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random 2-layer Qwen3 (char tokenizer, ~0.1M parameters) saved in HF format."""
-    from learner.tiny import tiny_qwen3
+    from examples.tiny import tiny_qwen3
 
     return tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)

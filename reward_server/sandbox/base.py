@@ -88,6 +88,12 @@ class RunOutcome:
     results: list[dict[str, Any]] | None = None
 
 
+def unanswered(job: Job, detail: str = "sandbox unresponsive past the wall limit; killed") -> list[RunOutcome]:
+    """The verdicts of every run when the sandbox itself did not answer within :meth:`Job.backstop_s`."""
+    return [RunOutcome(status="timeout", detail=detail, exit_code=None, stdout="", stderr="",
+                       wall_s=job.backstop_s(), cpu_s=0.0, truncated=False) for _ in job.runs]
+
+
 def python_run(python: str, main: str = "main.py", stdin: str = "") -> Run:
     """Run ``main`` through the compile-checking launcher."""
     return Run(argv=[python, "-I", BOOT, main], stdin=stdin)

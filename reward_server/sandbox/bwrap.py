@@ -36,8 +36,8 @@ from reward_server.sandbox.base import (
     SandboxError,
     parse_answer,
     read_answer,
+    unanswered,
 )
-from reward_server.sandbox.gvisor import unanswered
 from reward_server.sandbox.runtime import discover
 
 FIRST_HOST_UID = 61000
@@ -130,7 +130,7 @@ class BwrapSandbox(Sandbox):
             body = await asyncio.wait_for(read_answer(proc.stdout), job.backstop_s())
             return parse_answer(body, job)
         except TimeoutError:
-            return [unanswered(job) for _ in job.runs]
+            return unanswered(job)
         except (BrokenPipeError, ConnectionResetError, SandboxError) as e:
             err = (await proc.stderr.read(4000)).decode(errors="replace") if proc.returncode is not None else ""
             raise SandboxError(f"bwrap sandbox failed: {e} {err}".strip()) from e

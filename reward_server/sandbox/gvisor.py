@@ -48,6 +48,7 @@ from reward_server.sandbox.base import (
     SandboxError,
     parse_answer,
     read_answer,
+    unanswered,
 )
 from reward_server.sandbox.pool import Pool
 from reward_server.sandbox.runtime import discover
@@ -242,7 +243,7 @@ class GVisorSandbox(Sandbox):
             except TimeoutError:
                 lease.discard()
                 log.warning("sandbox %s did not answer in %.0f s; killed", container.id, job.backstop_s())
-                return [unanswered(job) for _ in job.runs]
+                return unanswered(job)
             except SandboxError:
                 lease.discard()
                 raise
@@ -252,9 +253,3 @@ class GVisorSandbox(Sandbox):
         await asyncio.gather(*(c.kill() for c in list(self._containers)))  # leased or half-started ones
         self._containers.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def unanswered(job: Job) -> RunOutcome:
-    """The verdict when the agent itself could not answer within the backstop."""
-    return RunOutcome(status="timeout", detail="sandbox unresponsive past the wall limit; recycled",
-                      exit_code=None, stdout="", stderr="", wall_s=job.backstop_s(), cpu_s=0.0, truncated=False)

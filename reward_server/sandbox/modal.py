@@ -32,6 +32,7 @@ from reward_server.sandbox.base import (
     Sandbox,
     SandboxError,
     parse_answer,
+    unanswered,
 )
 from reward_server.sandbox.guest import GUEST_DIR
 from reward_server.sandbox.pool import Pool
@@ -78,8 +79,7 @@ def guest_files() -> dict[str, str]:
 def outcome_of_exec(job: Job, returncode: int | None, stdout: bytes, stderr: str) -> list[RunOutcome]:
     """Verdicts from a finished exec: its returncode and raw stdout."""
     if returncode == -1:  # Modal: the exec hit its timeout (it does not raise)
-        return [RunOutcome(status="timeout", detail="modal exec timed out", exit_code=None, stdout="",
-                           stderr="", wall_s=job.backstop_s(), cpu_s=0.0, truncated=False) for _ in job.runs]
+        return unanswered(job, "modal exec timed out")
     if len(stdout) < HEADER.size:
         raise SandboxError(f"modal exec returned {returncode} without an answer: {stderr[-300:]}")
     (size,) = struct.unpack(">I", stdout[: HEADER.size])

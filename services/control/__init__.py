@@ -9,17 +9,17 @@ servers is ``services.runs``.
 from __future__ import annotations
 
 from services.config import RunConfig
-from services.settings import ServiceSettings
+from services.settings import ControlSettings
 
 
-def build_app(settings: ServiceSettings, config: RunConfig | None = None):
+def build_app(settings: ControlSettings, config: RunConfig | None = None):
     """The control plane's FastAPI app (see ``services.control.app.build_app``)."""
     from services.control.app import build_app as _build
 
     return _build(settings, config)
 
 
-def serve(settings: ServiceSettings, config: RunConfig | None = None) -> None:
+def serve(settings: ControlSettings, config: RunConfig | None = None) -> None:
     """Run the control plane in the foreground (``tandem serve control``)."""
     from services.app import serve as _serve
 

@@ -30,9 +30,10 @@ from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.control.dashboard import router as dashboard_router
 from services.control.groups import build_groups, enqueue
-from services.control.prompt_sets import LineError, LineParser, PromptSetStore
+from services.control.prompt_sets import PromptSetStore
+from services.promptsets import LineError, LineParser
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
-from services.settings import ServiceSettings
+from services.settings import ControlSettings
 from services.wire import (
     REWARD_TYPES,
     CreateRun,
@@ -212,7 +213,7 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(status_code=422, content={"detail": str(e)})
 
 
-def build_app(settings: ServiceSettings, config: RunConfig | None = None) -> FastAPI:
+def build_app(settings: ControlSettings, config: RunConfig | None = None) -> FastAPI:
     """The control plane. Uses ``settings.redis_url``, else an embedded Redis in ``run_dir/redis``.
 
     ``config`` (``tandem serve control --config``) is the run config used

@@ -1,14 +1,17 @@
 """The control plane's browser dashboard: ``GET /`` and its static files.
 
 Who talks to whom: a browser loads ``/`` (``/?token=T`` once to get a
-read-only session cookie, see ``services.app.EdgeMiddleware``), then the
-page's script polls this control plane's own JSON routes — ``/v1/runs``,
-``/v1/runs/{id}`` and ``/v1/runs/{id}/metrics?since=`` — and draws the
-charts as inline SVG (``static/dashboard.js``, no library, no CDN:
-nothing outside the machine is fetched). ``/?run=ID`` selects a run; the
+read-only session cookie, see ``services.app``), then the page's script
+polls this control plane's own JSON routes — ``/v1/runs``, ``/v1/runs/{id}``
+and ``/v1/runs/{id}/metrics?since=`` — and draws the charts with uPlot
+(``static/uPlot.iife.min.js``, vendored, MIT, see ``static/uPlot.LICENSE``).
+Every file comes from this origin, so the page's CSP allows scripts and
+styles from ``'self'`` only; uPlot draws on a canvas and sets styles through
+the CSSOM, which that CSP does not restrict. ``/?run=ID`` selects a run; the
 newest is shown otherwise. The chart layout is ``services.runs.CHARTS``.
-Each chart's ``<svg>`` carries ``data-points``, the number of data points
-it drew (the headless-browser test reads it).
+Each chart's ``<figure data-chart>`` carries ``data-drawn``, the points
+uPlot drew per series (set in its draw hook; the headless-browser test
+reads it).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from services.app import ServiceError
 from services.runs import CHARTS
 
 STATIC = Path(__file__).parent / "static"
-FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+FILES = {
+    "dashboard.js": "text/javascript",
+    "dashboard.css": "text/css",
+    "uPlot.iife.min.js": "text/javascript",
+    "uPlot.min.css": "text/css",
+}
 CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; frame-ancestors 'none'"
 
 router = APIRouter(include_in_schema=False)

@@ -11,9 +11,8 @@ Order: epoch by epoch; within epoch ``e`` the lines are shuffled by
 ``random.Random(data.shuffle_seed * 1_000_003 + e)`` (file order when
 ``shuffle_seed`` is None). ``group_id`` is ``e{epoch}-{line index}``: unique
 in the run and stable across redeliveries. Lines that name no reward type
-take ``reward.type`` and ``reward.extract`` from the run config; when
-``reward.format_weight > 0`` every spec ``S`` becomes
-``combined(1.0 x S, format_weight x regex(<answer>...</answer>))``.
+take ``reward.type`` and ``reward.extract`` from the run config
+(``services.promptsets.line_specs``).
 """
 
 from __future__ import annotations
@@ -21,46 +20,12 @@ from __future__ import annotations
 import random
 
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from broker import Envelope, Keys, Stream
 from broker.streams import NO_VERSION
 from services.config import RunConfig
-from services.control.prompt_sets import SPEC, LineError, spec_errors
-from services.wire import CombinedSpec, PromptGroup, RegexSpec, WeightedSpec, encode
-
-ANSWER_TAG = r"<answer>.*?</answer>"
-"""The format reward's pattern (the answer tag is present)."""
-
-EXTRACTING = frozenset({"math", "exact", "numeric"})
-
-
-def line_specs(lines: list[dict], config: RunConfig) -> list:
-    """The reward spec of every line under ``config``; raises :class:`LineError` (1-based line numbers)."""
-    specs, errors = [], []
-    for i, line in enumerate(lines, start=1):
-        if "spec" in line:
-            raw = line["spec"]
-        else:
-            raw = {"type": config.reward.type, **line["fields"]}
-            if config.reward.type in EXTRACTING and "extract" not in raw:
-                raw["extract"] = config.reward.extract
-        try:
-            spec = SPEC.validate_python(raw)
-        except ValidationError as e:
-            errors += spec_errors(e, i)
-            continue
-        if config.reward.format_weight > 0:
-            spec = CombinedSpec(
-                parts=[
-                    WeightedSpec(weight=1.0, spec=spec),
-                    WeightedSpec(weight=config.reward.format_weight, spec=RegexSpec(pattern=ANSWER_TAG)),
-                ]
-            )
-        specs.append(spec)
-    if errors:
-        raise LineError(errors)
-    return specs
+from services.promptsets import line_specs
+from services.wire import PromptGroup, encode
 
 
 def epoch_order(count: int, epoch: int, shuffle_seed: int | None) -> list[int]:

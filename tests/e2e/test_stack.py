@@ -106,7 +106,7 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
             async with ControlClient(urls["control"], token) as control:
                 while True:
                     st = await control.run_status(run_id)
-                    if st.run.state in ("finished", "failed", "stopped"):
+                    if st.run.state in wire.TERMINAL_STATES:
                         return st
                     assert time.monotonic() < deadline + 600, "run did not finish"
                     await asyncio.sleep(2)

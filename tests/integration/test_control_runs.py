@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from broker import Keys, WeightRegistry, WeightVersion
-from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
+from broker.keys import ACTIVE_RUN
+from services.config import RunConfig
+from services.runs import MetricsLog, RunConflict, RunStore, RunWatcher, TransitionError, UnknownRun
 from services.wire import PromptGroup, decode
 from tests.fixtures.control import ARITH_LINES, run_config
 
@@ -199,3 +202,98 @@ async def test_lifecycle_transitions_are_enforced(control):
     with pytest.raises(ValueError, match="bad metric name"):
         await MetricsLog(control.redis, Keys("life-2")).append("learner", 1, step=1.0)
     assert [r.run_id for r in await store.list()] == ["life-2", "life-1"]
+
+
+# -- the run watcher (services.runs.RunWatcher): how the learner and the rollout servers follow runs
+
+
+async def test_watcher_offers_each_active_run_once_with_its_config(control_redis):
+    store = RunStore(control_redis)
+    runs = RunWatcher(store, poll_s=0.02)
+    await store.create("w-1", "ps-x", run_config(learner={"steps": 3}))
+    run = await asyncio.wait_for(runs.next(), 5)
+    assert run.run_id == "w-1" and run.record.state == "queued"
+    assert isinstance(run.config, RunConfig) and run.config.learner.steps == 3
+    # still active, but offered already: a service that gave up on it is not offered it again
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(runs.next(), 0.3)
+    await store.stop("w-1")
+    await store.create("w-2", "ps-x", run_config())
+    assert (await asyncio.wait_for(runs.next(), 5)).run_id == "w-2"
+    # a fresh watcher (a restarted service) is offered the active run again
+    assert (await asyncio.wait_for(RunWatcher(store, poll_s=0.02).next(), 5)).run_id == "w-2"
+
+
+async def test_watcher_never_offers_a_run_that_is_not_live(control_redis):
+    store = RunStore(control_redis)
+    runs = RunWatcher(store, poll_s=0.02)
+    await store.create("w-done", "ps-x", run_config())
+    await store.set_state("w-done", "running")
+    await store.set_state("w-done", "finished")
+    await control_redis.set(ACTIVE_RUN, "w-done")  # a stale pointer to a finished run
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(runs.next(), 0.3)
+    ticks = await asyncio.wait_for(_collect(runs.while_live("w-done")), 2)
+    assert ticks == []
+
+
+async def test_watcher_fails_a_run_whose_config_is_invalid_and_goes_on(control_redis):
+    store = RunStore(control_redis)
+    # the control plane validates configs; one that is no longer valid (a newer service, a hand-made
+    # record) must not be trained with defaults, nor polled forever
+    await store.create("w-bad", "ps-x", run_config(loss={"eps_hihg": 0.3}))
+    first, second = RunWatcher(store, poll_s=0.02), RunWatcher(store, poll_s=0.02)  # learner and rollout
+    results = await asyncio.gather(
+        asyncio.wait_for(first.next(), 0.5), asyncio.wait_for(second.next(), 0.5), return_exceptions=True
+    )
+    assert all(isinstance(r, TimeoutError) for r in results), results  # neither offered it, neither crashed
+    bad = await store.get("w-bad")
+    assert bad.state == "failed" and "loss.eps_hihg: unknown field" in bad.error and "run w-bad" in bad.error
+    await store.create("w-good", "ps-x", run_config())
+    assert (await asyncio.wait_for(first.next(), 5)).run_id == "w-good"
+
+
+async def test_while_live_ticks_until_the_run_is_stopped(control_redis):
+    store = RunStore(control_redis)
+    runs = RunWatcher(store, poll_s=0.02)
+    await store.create("w-live", "ps-x", run_config())
+    ticks = 0
+
+    async def work() -> None:
+        nonlocal ticks
+        async for _ in runs.while_live("w-live"):
+            ticks += 1
+
+    task = asyncio.create_task(work())
+    while ticks < 3:
+        assert not task.done()
+        await asyncio.sleep(0.02)
+    await store.set_state("w-live", "running")
+    await asyncio.sleep(0.1)
+    assert not task.done()  # running is live too
+    await store.stop("w-live")
+    await asyncio.wait_for(task, 2)  # let go within a poll or two
+
+
+async def test_stop_event_ends_the_watcher_and_while_live(control_redis):
+    store = RunStore(control_redis)
+    stop = threading.Event()
+    runs = RunWatcher(store, poll_s=0.02, stop=stop)
+    await store.create("w-stop", "ps-x", run_config())
+    waiting = asyncio.create_task(_drain(runs.while_live("w-stop")))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()
+    stop.set()
+    await asyncio.wait_for(waiting, 2)
+    assert await asyncio.wait_for(runs.next(), 2) is None
+    assert [r async for r in runs] == []
+    assert await store.is_live("w-stop")  # stopping the watcher leaves the run alone
+
+
+async def _drain(ticks) -> None:
+    async for _ in ticks:
+        pass
+
+
+async def _collect(ticks) -> list:
+    return [t async for t in ticks]

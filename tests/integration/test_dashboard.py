@@ -3,62 +3,104 @@
 A real control plane (uvicorn on a free port, real Redis) holds a run whose
 metrics were appended through ``MetricsLog``, as the learner, rollout
 servers and evaluator do. Chromium signs in with ``/?token=`` (session
-cookie), runs the page's script, and the DOM it dumps must hold one chart
-per layout entry with exactly the data points written.
+cookie), runs the page's scripts — the vendored uPlot and the dashboard's
+own — and the DOM it dumps must hold one uPlot chart (canvas and legend,
+both built by the library) per layout entry, whose draw hook saw exactly the
+points written and whose legend shows the API's latest values. Chromium's
+console must stay empty: a script or style the CSP refuses, or an uncaught
+error, would log there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import signal
 from html.parser import HTMLParser
 
 import httpx
 import pytest
+from starlette.responses import PlainTextResponse
 
 from broker import Keys
+from services.control.dashboard import CSP, STATIC
 from services.runs import CHARTS, METRICS, MetricsLog, RunStore
 from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (apt-get install chromium)")
+browser = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium package (apt-get install chromium)")
 
 STEPS = 6
+LIBRARY = "/static/uPlot.iife.min.js"
 
 
 class Charts(HTMLParser):
-    """Per ``<svg data-chart>``: its data-points attribute and the circles drawn inside, by series."""
+    """Per ``<figure data-chart>``: what uPlot drew (``data-drawn``), its canvases, its legend rows."""
 
     def __init__(self) -> None:
         super().__init__()
         self.charts: dict[str, dict] = {}
         self.current: str | None = None
+        self.depth = 0
+        self.cell: str | None = None  # "label" or "value" while inside a legend cell
         self.text: list[str] = []
+        self.error: list[str] = []
+        self.in_error = False
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        if tag == "svg" and "data-chart" in a:
-            self.current = a["data-chart"]
-            self.charts[self.current] = {"points": int(a["data-points"]), "circles": {}}
-        elif tag == "circle" and self.current and a.get("class") == "pt":
-            circles = self.charts[self.current]["circles"]
-            circles[a["data-series"]] = circles.get(a["data-series"], 0) + 1
+        classes = (a.get("class") or "").split()
+        if tag == "figure" and "data-chart" in a:
+            self.current, self.depth = a["data-chart"], 0
+            drawn = json.loads(a["data-drawn"]) if "data-drawn" in a else None
+            self.charts[self.current] = {"drawn": drawn, "canvases": 0, "legend": []}
+        elif self.current:
+            chart = self.charts[self.current]
+            if tag == "figure":
+                self.depth += 1
+            elif tag == "canvas":
+                chart["canvases"] += 1
+            elif tag == "tr" and "u-series" in classes:
+                chart["legend"].append(["", ""])
+            elif "u-label" in classes:
+                self.cell = "label"
+            elif "u-value" in classes:
+                self.cell = "value"
+        if a.get("id") == "error":
+            self.in_error = "hidden" not in a
 
     def handle_endtag(self, tag):
-        if tag == "svg":
-            self.current = None
+        if tag in ("div", "td"):
+            self.cell = None
+        if tag == "p":
+            self.in_error = False
+        if tag == "figure" and self.current:
+            if self.depth == 0:
+                self.current = None
+            else:
+                self.depth -= 1
 
     def handle_data(self, data):
         self.text.append(data)
+        if self.in_error:
+            self.error.append(data)
+        if self.cell and self.current and self.charts[self.current]["legend"]:
+            self.charts[self.current]["legend"][-1][0 if self.cell == "label" else 1] += data
 
 
-async def _dump_dom(url: str, profile) -> str:
-    """Chromium's DOM of ``url`` after its scripts ran; the browser is ours to end (process group)."""
+async def _chromium(url: str, profile) -> tuple[str, list[str]]:
+    """Chromium's DOM of ``url`` after its scripts ran, and its console lines.
+
+    The browser is ours to end (process group).
+    """
     proc = await asyncio.create_subprocess_exec(
         CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+        "--window-size=1280,1400", "--enable-logging=stderr", "--v=0",
         f"--user-data-dir={profile}", "--virtual-time-budget=8000", "--dump-dom", url,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
         env={**os.environ, "DBUS_SESSION_BUS_ADDRESS": "disabled:"},
@@ -69,10 +111,21 @@ async def _dump_dom(url: str, profile) -> str:
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-    assert proc.returncode == 0, err.decode(errors="replace")[-2000:]
-    return out.decode()
+    log = err.decode(errors="replace")
+    assert proc.returncode == 0, log[-2000:]
+    return out.decode(), [line for line in log.splitlines() if ":CONSOLE" in line]
 
 
+def _latest(points: list[dict], name: str, source: str | None = None) -> float:
+    return [p["values"][name] for p in points if name in p["values"] and source in (None, p["source"])][-1]
+
+
+def _shows(text: str, value: float) -> bool:
+    """The legend's rendering of ``value`` (3 significant digits at least)."""
+    return math.isclose(float(text), value, rel_tol=5e-3)
+
+
+@browser
 async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_redis, tmp_path):
     async with serve_control() as url:
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -83,36 +136,55 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
             assert r.status_code == 201, r.text
             run_id = r.json()["run_id"]
 
-        store, log = RunStore(control_redis), MetricsLog(control_redis, Keys(run_id))
-        await store.set_state(run_id, "running")
-        await log.append("eval", 0, accuracy=0.3)
-        for step in range(1, STEPS + 1):
-            await log.append(
-                "learner", step, reward_mean=0.1 * step, loss=1 / step, kl=0.01 * step, entropy=2.0,
-                lag_max=1, lag_mean=0.5, stale_dropped=step // 3, learner_tokens_per_s=800 + step,
-                learner_idle_frac=0.2,
-            )
-            await log.append("rollout:r0", step, rollout_tokens_per_s=4000 + step, rollout_idle_frac=0.1)
-        await log.append("eval", STEPS, accuracy=0.8)
-        await store.update(run_id, step=STEPS, policy_version=STEPS)
+            store, log = RunStore(control_redis), MetricsLog(control_redis, Keys(run_id))
+            await store.set_state(run_id, "running")
+            await log.append("eval", 0, accuracy=0.3)
+            for step in range(1, STEPS + 1):
+                await log.append(
+                    "learner", step, reward_mean=0.1 * step, loss=1 / step, kl=0.01 * step, entropy=2.0,
+                    lag_max=1, lag_mean=0.5, stale_dropped=step // 3, learner_tokens_per_s=800 + step,
+                    learner_idle_frac=0.2,
+                )
+                await log.append("rollout:r0", step, rollout_tokens_per_s=4000 + step, rollout_idle_frac=0.1)
+                if step <= 3:  # a second rollout server, for half the run: a series of its own
+                    await log.append("rollout:r1", step, rollout_tokens_per_s=3000 + step)
+            await log.append("eval", STEPS, accuracy=0.8)
+            await store.update(run_id, step=STEPS, policy_version=STEPS)
+            points = (await client.get(f"/v1/runs/{run_id}/metrics")).json()["points"]
+            page = await client.get("/")
+            assert page.headers["content-security-policy"] == CSP
+            assert "unsafe" not in CSP and "script-src 'self'" in CSP and "style-src 'self'" in CSP
+            lib = await client.get(LIBRARY)
+            assert lib.status_code == 200 and lib.headers["content-type"].startswith("text/javascript")
 
-        dom = await _dump_dom(f"{url}/?token={READ_TOKEN}&run={run_id}", tmp_path / "chromium")
+        dom, console = await _chromium(f"{url}/?token={READ_TOKEN}&run={run_id}", tmp_path / "chromium")
 
     page = Charts()
     page.feed(dom)
     text = " ".join(page.text)
+    assert console == [], console
     assert 'data-ready="1"' in dom, dom[-3000:]
     assert run_id in text and "running" in text
     assert set(page.charts) == set(CHARTS)
     for chart_id, (_title, names) in CHARTS.items():
         chart = page.charts[chart_id]
-        assert chart["points"] == sum(chart["circles"].values()), chart_id
-        assert set(chart["circles"]) == set(names), (chart_id, chart)
-    reward = page.charts["reward"]["circles"]
-    assert reward == {"reward_mean": STEPS, "accuracy": 2}
-    assert page.charts["staleness"]["points"] == 3 * STEPS
-    assert page.charts["throughput"]["circles"] == {"rollout_tokens_per_s": STEPS, "learner_tokens_per_s": STEPS}
-    assert page.charts["idle"]["points"] == 2 * STEPS
+        assert chart["canvases"] == 1, (chart_id, chart)
+        labels = [label for label, _value in chart["legend"]]
+        # one series per metric, in layout order ("name · source" where two sources report it)
+        assert labels[0] == "step" and list(dict.fromkeys(x.split(" · ")[0] for x in labels[1:])) == names, labels
+        assert list(chart["drawn"]) == labels[1:], (chart_id, chart)
+        for label, value in chart["legend"][1:]:
+            name, _, source = label.partition(" · ")
+            assert _shows(value, _latest(points, name, source or None)), (chart_id, label, value)
+    drawn = {cid: page.charts[cid]["drawn"] for cid in CHARTS}
+    assert drawn["reward"] == {"reward_mean": STEPS, "accuracy": 2}
+    assert drawn["staleness"] == {"lag_max": STEPS, "lag_mean": STEPS, "stale_dropped": STEPS}
+    assert drawn["throughput"] == {
+        "rollout_tokens_per_s · rollout:r0": STEPS, "rollout_tokens_per_s · rollout:r1": 3, "learner_tokens_per_s": STEPS
+    }
+    assert drawn["idle"] == {"rollout_idle_frac": STEPS, "learner_idle_frac": STEPS}
+    assert drawn["loss"] == {"loss": STEPS, "kl": STEPS, "entropy": STEPS}
+    assert page.charts["reward"]["legend"][0] == ["step", str(STEPS)]
 
 
 class AppendAfterFirstPoll:
@@ -140,6 +212,7 @@ class AppendAfterFirstPoll:
         return await self.app(scope, receive, send_after_append)
 
 
+@browser
 async def test_open_page_picks_up_new_points(serve_control, control_redis, tmp_path):
     run_id = None
     hook = None
@@ -164,20 +237,64 @@ async def test_open_page_picks_up_new_points(serve_control, control_redis, tmp_p
         log = MetricsLog(control_redis, Keys(run_id))
         for step in range(1, STEPS + 1):
             await log.append("learner", step, reward_mean=0.05 * step)
-        dom = await _dump_dom(f"{url}/?token={READ_TOKEN}&run={run_id}", tmp_path / "chromium")
+        dom, console = await _chromium(f"{url}/?token={READ_TOKEN}&run={run_id}", tmp_path / "chromium")
 
     page = Charts()
     page.feed(dom)
+    assert console == [], console
     assert hook.polls >= 2, "the page never polled again"
-    assert page.charts["reward"]["circles"] == {"reward_mean": 2 * STEPS}
+    reward = page.charts["reward"]
+    assert reward["drawn"] == {"reward_mean": 2 * STEPS, "accuracy": 0}
+    assert reward["canvases"] == 1  # the chart was updated in place, not drawn twice
+    assert reward["legend"][1][0] == "reward_mean" and _shows(reward["legend"][1][1], 0.05 * 2 * STEPS)
     assert str(2 * STEPS) in " ".join(page.text)  # the status moved on too
+
+
+class WithoutLibrary:
+    """ASGI hook: the chart library's file answers 404, as if it were missing from the package."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == LIBRARY:
+            return await PlainTextResponse("gone", status_code=404)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+@browser
+async def test_without_the_chart_library_the_page_says_so_and_draws_nothing(serve_control, control_redis, tmp_path):
+    async with serve_control(wrap=WithoutLibrary) as url:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
+            set_id = (await client.post("/v1/prompt-sets", content=json.dumps(ARITH_LINES[0]))).json()["id"]
+            r = await client.post("/v1/runs", json={"prompt_set_id": set_id, "config": run_config()})
+            run_id = r.json()["run_id"]
+        await MetricsLog(control_redis, Keys(run_id)).append("learner", 1, reward_mean=0.5)
+        dom, console = await _chromium(f"{url}/?token={READ_TOKEN}&run={run_id}", tmp_path / "chromium")
+
+    page = Charts()
+    page.feed(dom)
+    assert 'data-ready="1"' not in dom
+    assert all(c["canvases"] == 0 and c["drawn"] is None for c in page.charts.values()), page.charts
+    assert "uPlot.iife.min.js did not load" in " ".join(page.error), page.error
 
 
 async def test_dashboard_without_credentials_is_refused(serve_control):
     async with serve_control() as url:
         async with httpx.AsyncClient(base_url=url) as client:
-            assert (await client.get("/")).status_code == 401
-            assert (await client.get("/static/dashboard.js")).status_code == 401
+            for path in ("/", "/static/dashboard.js", LIBRARY, "/static/uPlot.min.css"):
+                assert (await client.get(path)).status_code == 401, path
+
+
+def test_vendored_library_is_the_release_its_note_names():
+    """``static/uPlot.LICENSE`` records the version and hashes; the files must still match them."""
+    note = (STATIC / "uPlot.LICENSE").read_text()
+    version = re.search(r"uPlot (\d+\.\d+\.\d+)", note).group(1)
+    assert f"(v{version})" in (STATIC / "uPlot.iife.min.js").read_text()[:200]
+    assert "MIT License" in note
+    for name in ("uPlot.iife.min.js", "uPlot.min.css"):
+        digest = hashlib.sha256((STATIC / name).read_bytes()).hexdigest()
+        assert re.search(rf"{re.escape(name)} +sha256 {digest}", note), name
 
 
 def test_every_charted_metric_is_documented():

@@ -1,7 +1,7 @@
 """The DeepSpeed engine on CPU: ZeRO-0/2/3 and 1 vs 2 ranks make the same update.
 
 Each configuration trains the same two steps on the same synthetic batches
-(``learner.selfcheck``) and publishes its full weights (ZeRO-3: gathered);
+(``tests.selfcheck``) and publishes its full weights (ZeRO-3: gathered);
 the weights and the step statistics must agree within float tolerance.
 AdamW's first steps hide a wrong gradient *scale* (it normalises), so the
 gradient norms DeepSpeed reports are compared too: a rank that averaged

@@ -54,7 +54,7 @@ async def _wait(proc, predicate, timeout_s: float, what: str) -> dict:
 
 async def test_on_policy_training_publishes_and_survives_bad_input(redis, keys, tiny_model, tmp_path, learner_proc):
     from broker import Stream, WeightRegistry
-    from learner import weights as store
+    from services import weightstore as store
     from services.config import load_run_config
 
     # two ranks (torchrun, gloo) with ZeRO-3: rank 0 reads the broker and broadcasts each step's
@@ -169,7 +169,7 @@ async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_pro
     # the resume version holds exactly the checkpointed weights: those the first learner published at step 2
     from safetensors.torch import load_file
 
-    from learner import weights as store
+    from services import weightstore as store
 
     at_ckpt = load_file(store.version_dir(run_dir / keys.run_id / "weights", 2) / store.WEIGHTS_FILE)
     resumed = load_file(store.version_dir(run_dir / keys.run_id / "weights", killed_at + 1) / store.WEIGHTS_FILE)
@@ -180,3 +180,66 @@ async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_pro
     assert (run_dir / keys.run_id / "checkpoints" / "tandem-latest").read_text() == "step00000006"
     state = json.loads((Path(run_dir) / keys.run_id / "checkpoints" / "step00000006" / "learner-state.json").read_text())
     assert state["step"] == 6 and state["version"] == st["version"]
+
+
+async def _wait_run(store, run_id: str, predicate, timeout_s: float, what: str):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        record = await store.get(run_id)
+        if predicate(record):
+            return record
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}: {record}"
+        await asyncio.sleep(0.3)
+
+
+async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
+    control_db_url, control_redis, tiny_model, tmp_path, learner_proc
+):
+    """No TANDEM_RUN_ID: the learner follows the run registry (services.runs.RunWatcher), one run after the other."""
+    import tomllib
+
+    from broker import Keys
+    from services.runs import RunStore
+
+    store = RunStore(control_redis)
+
+    def config(steps: int, **sections) -> dict:
+        path = write_run_config(tmp_path / f"run-{steps}.toml", tiny_model,
+                                {"learner": {"steps": steps, "checkpoint_every": 0}, **sections})
+        return tomllib.loads(path.read_text())
+
+    config(2)
+    # stack mode: the file named on the command line is ignored, each run brings its own config
+    proc = learner_proc(tmp_path / "run-2.toml", None, url=control_db_url)
+    await _wait(proc, lambda s: s["state"] == "idle" and s["run_id"] is None, 120, "an idle learner")
+
+    # a run whose config no longer validates is failed with the reason, and the learner goes on
+    await store.create("stack-bad", "ps-x", config(2, loss={"eps_hihg": 0.3}))
+    bad = await _wait_run(store, "stack-bad", lambda r: r.state == "failed", 30, "the bad run to fail")
+    assert "loss.eps_hihg: unknown field" in bad.error
+
+    stop = asyncio.Event()
+    await store.create("stack-1", "ps-x", config(2))
+    producer = asyncio.create_task(_produce(control_redis, Keys("stack-1"), stop))
+    try:
+        done = await _wait_run(store, "stack-1", lambda r: r.state == "finished", 300, "stack-1 to finish")
+    finally:
+        stop.set()
+        await producer
+    assert (done.step, done.policy_version) == (2, 2)
+    assert proc.status()["run_id"] == "stack-1" and proc.status()["state"] == "done"
+
+    # stopped from the control plane mid-run: the learner stops training it and leaves it stopped
+    stop.clear()
+    await store.create("stack-2", "ps-x", config(50))
+    producer = asyncio.create_task(_produce(control_redis, Keys("stack-2"), stop))
+    try:
+        await _wait(proc, lambda s: s["run_id"] == "stack-2" and s["step"] >= 1, 300, "stack-2 training")
+        await store.stop("stack-2")
+        st = await _wait(proc, lambda s: s["state"] == "stopped", 120, "the learner to let stack-2 go")
+    finally:
+        stop.set()
+        await producer
+    assert 1 <= st["step"] < 50
+    record = await store.get("stack-2")
+    assert record.state == "stopped" and record.step == st["step"]

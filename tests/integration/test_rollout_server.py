@@ -207,7 +207,7 @@ async def test_weight_reload_changes_outputs_and_tags(rollout_server, weight_ver
 
 
 async def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(rollout_server, weight_versions, tmp_path):
-    from learner.tiny import tiny_qwen3
+    from examples.tiny import tiny_qwen3
 
     async with await _client(rollout_server) as c:
         v = await _version(c)

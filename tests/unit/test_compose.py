@@ -3,7 +3,8 @@
 There is no Docker engine here, so the file is parsed and each service's
 command is parsed by the real ``tandem`` CLI (typer/click), its port is
 compared with its health check and with the URLs the other services use,
-and every ``TANDEM_*`` variable must be a ``ServiceSettings`` field.
+and every ``TANDEM_*`` variable must be read by the settings class of the
+service it is given to.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ from urllib.parse import urlparse
 import pytest
 import typer.main
 import yaml
-from pydantic import AliasChoices
 
-from services.cli import SERVICE_PACKAGES, ServiceName
+from services.cli import SERVICE_PACKAGES, ServiceName, settings_classes
 from services.cli import app as cli_app
-from services.settings import ServiceSettings
+from services.settings import env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -28,18 +28,12 @@ SERVICES = COMPOSE["services"]
 TANDEM = {name: spec for name, spec in SERVICES.items() if spec.get("command", [])[:2] == ["tandem", "serve"]}
 ONE_SHOT = {name: spec for name, spec in SERVICES.items() if name != "redis" and name not in TANDEM}
 OTHER_VARIABLES = {"REDIS_URL"}
-URL_VARIABLES = {"TANDEM_CONTROL_URL": "control", "TANDEM_REWARD_URL": "reward", "TANDEM_LEARNER_URL": "learner"}
+URL_VARIABLES = {"TANDEM_ROLLOUT_REWARD_URL": "reward"}
 
 
-def settings_variables() -> set[str]:
-    names = set()
-    for field_name, field in ServiceSettings.model_fields.items():
-        alias = field.validation_alias
-        if isinstance(alias, AliasChoices):
-            names |= {a for a in alias.choices if isinstance(a, str)}
-        else:
-            names.add(f"TANDEM_{field_name.upper()}")
-    return names
+def settings_class(name: str):
+    """The settings class of compose service ``name`` (the bootstrap is a CLI command: the stack's)."""
+    return settings_classes()["stack" if name in ONE_SHOT else name]
 
 
 def parse_command(command: list[str]):
@@ -121,27 +115,27 @@ def test_port_matches_health_check_and_exposure(name):
     assert spec["healthcheck"]["retries"] >= 1
 
 
-def settings_from(environment: dict, monkeypatch) -> ServiceSettings:
-    """The settings a container with ``environment`` would load (compose interpolation left out)."""
+def settings_from(name: str, environment: dict, monkeypatch):
+    """The settings container ``name`` would load from ``environment`` (compose interpolation left out)."""
     for variable, value in environment.items():
         monkeypatch.setenv(variable, "compose-token" if variable == "TANDEM_TOKEN" else str(value))
-    return ServiceSettings()
+    return settings_class(name)()
 
 
 @pytest.mark.parametrize("name", sorted({**TANDEM, **ONE_SHOT}))
 def test_every_variable_is_a_setting(name, monkeypatch):
     environment = {**TANDEM, **ONE_SHOT}[name]["environment"]
-    known = settings_variables()
+    known = env_names(settings_class(name))
     for variable in environment:
         if variable.startswith("TANDEM_"):
-            assert variable in known, f"{name}: {variable} is not a ServiceSettings field"
+            assert variable in known, f"{name}: {variable} is not read by {settings_class(name).__name__}"
         else:
             assert variable in OTHER_VARIABLES, f"{name}: unexpected variable {variable}"
     assert "TANDEM_TOKEN" in environment and "${TANDEM_TOKEN:?" in environment["TANDEM_TOKEN"]
     redis = urlparse(environment["REDIS_URL"])
     assert (redis.hostname, redis.port) == ("redis", 6379)
     # and the values load as settings (a list must be JSON, a size an int, ...)
-    settings = settings_from(environment, monkeypatch)
+    settings = settings_from(name, environment, monkeypatch)
     assert settings.redis_url == environment["REDIS_URL"]
     assert str(settings.run_dir) == environment["TANDEM_RUN_DIR"]
 
@@ -149,15 +143,15 @@ def test_every_variable_is_a_setting(name, monkeypatch):
 @pytest.mark.parametrize("name", sorted(TANDEM))
 def test_service_urls_point_at_the_right_container_and_port(name, monkeypatch):
     environment = TANDEM[name]["environment"]
-    settings = settings_from(environment, monkeypatch)
+    settings = settings_from(name, environment, monkeypatch)
     ports = {n: parse_command(command_of(s)).params["port"] for n, s in TANDEM.items()}
     for variable, target in URL_VARIABLES.items():
-        url = urlparse(environment[variable])
-        assert (url.hostname, url.port) == (target, ports[target]), variable
-    assert settings.rollout_urls
-    for raw in settings.rollout_urls:
-        url = urlparse(raw)
-        assert (url.hostname, url.port) == ("rollout", ports["rollout"])
+        if variable in environment:
+            url = urlparse(environment[variable])
+            assert (url.hostname, url.port) == (target, ports[target]), variable
+    if name == "rollout":
+        url = urlparse(settings.reward_url)
+        assert (url.hostname, url.port) == ("reward", ports["reward"])
 
 
 def test_reward_runs_under_gvisor_and_gpu_services_reserve_a_gpu():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.config import ConfigError, load_run_config, parse_run_config
-from services.settings import ServiceSettings
+from services.settings import CommonSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"model": {"path": "m"}, "data": {"train": "t.jsonl"}}
@@ -80,12 +80,12 @@ def test_service_settings_from_environment(monkeypatch):
     monkeypatch.setenv("TANDEM_PORT", "9123")
     monkeypatch.setenv("TANDEM_TOKEN", "s3cret")
     monkeypatch.setenv("REDIS_URL", "redis://example:6379/0")
-    s = ServiceSettings()
+    s = CommonSettings()
     assert (s.port, s.token.get_secret_value(), s.redis_url) == (9123, "s3cret", "redis://example:6379/0")
 
 
 def test_no_token_only_on_loopback():
-    ServiceSettings(host="127.0.0.1").check_auth_safe()
+    CommonSettings(host="127.0.0.1").check_auth_safe()
     with pytest.raises(ValueError, match="refusing"):
-        ServiceSettings(host="0.0.0.0").check_auth_safe()
-    ServiceSettings(host="0.0.0.0", token="t").check_auth_safe()
+        CommonSettings(host="0.0.0.0").check_auth_safe()
+    CommonSettings(host="0.0.0.0", token="t").check_auth_safe()

@@ -11,10 +11,10 @@ import pytest
 from fastapi import Request
 
 from services.app import create_app, session_cookie_value
-from services.settings import ServiceSettings
+from services.settings import ControlSettings
 
 
-def client_for(settings: ServiceSettings, **kw) -> httpx.AsyncClient:
+def client_for(settings: ControlSettings, **kw) -> httpx.AsyncClient:
     app = create_app("edge-test", settings, **kw)
 
     @app.get("/thing")
@@ -33,7 +33,7 @@ def client_for(settings: ServiceSettings, **kw) -> httpx.AsyncClient:
 
 
 async def test_single_token_behaviour_is_unchanged():
-    async with client_for(ServiceSettings(token="secret")) as c:
+    async with client_for(ControlSettings(token="secret")) as c:
         r = await c.get("/thing")
         assert (r.status_code, r.json()["detail"]) == (401, "missing bearer token")
         r = await c.get("/thing", headers={"Authorization": "Bearer nope"})
@@ -42,27 +42,27 @@ async def test_single_token_behaviour_is_unchanged():
             r = await c.request(method, "/thing", headers={"Authorization": "Bearer secret"})
             assert r.status_code == 200
         assert (await c.get("/healthz")).status_code == 200
-        assert (await c.get("/?token=secret")).status_code == 401  # no cookie login unless asked for
+        assert (await c.get("/thing?token=secret")).status_code == 401  # no cookie login unless asked for
 
 
 async def test_no_token_on_loopback_means_auth_off():
-    async with client_for(ServiceSettings()) as c:
+    async with client_for(ControlSettings()) as c:
         assert (await c.post("/thing")).status_code == 200
 
 
 def test_scoped_tokens_come_from_the_environment_and_count_as_auth(monkeypatch):
     monkeypatch.setenv("TANDEM_TOKENS", '{"viewer": ["read"], "ops": ["read", "write"]}')
-    settings = ServiceSettings(host="0.0.0.0")
+    settings = ControlSettings(host="0.0.0.0")
     assert settings.tokens == {"viewer": ["read"], "ops": ["read", "write"]}
     settings.check_auth_safe()  # scoped tokens alone are auth: listening beyond loopback is allowed
     assert "viewer" not in repr(settings)
     monkeypatch.setenv("TANDEM_TOKENS", '{"viewer": ["admin"]}')
-    with pytest.raises(ValueError, match="tokens"):
-        ServiceSettings()
+    with pytest.raises(ValueError, match="TANDEM_TOKENS"):
+        ControlSettings()
 
 
 async def test_scopes_by_method():
-    settings = ServiceSettings(tokens={"viewer": ["read"], "writer": ["write"]})
+    settings = ControlSettings(tokens={"viewer": ["read"], "writer": ["write"]})
     async with client_for(settings) as c:
         viewer, writer = ({"Authorization": f"Bearer {t}"} for t in ("viewer", "writer"))
         assert (await c.get("/thing", headers=viewer)).status_code == 200
@@ -74,7 +74,7 @@ async def test_scopes_by_method():
 
 
 async def test_session_cookie_is_derived_not_the_token_and_read_only():
-    async with client_for(ServiceSettings(token="secret"), cookie_login_path="/thing") as c:
+    async with client_for(ControlSettings(token="secret"), cookie_login_path="/thing") as c:
         r = await c.get("/thing?token=secret&x=1")
         assert r.status_code == 303 and r.headers["location"] == "/thing?x=1"
         value = session_cookie_value("secret")
@@ -87,9 +87,55 @@ async def test_session_cookie_is_derived_not_the_token_and_read_only():
 
 
 async def test_per_path_body_limits():
-    settings = ServiceSettings(token="secret", max_body_bytes=1024)
+    settings = ControlSettings(token="secret", max_body_bytes=1024)
     auth = {"Authorization": "Bearer secret"}
     async with client_for(settings, body_limits={"/upload": 4096}) as c:
         assert (await c.post("/upload", content=b"x" * 3000, headers=auth)).json() == {"bytes": 3000}
         assert (await c.post("/upload", content=b"x" * 5000, headers=auth)).status_code == 413
         assert (await c.post("/thing", content=b"x" * 3000, headers=auth)).status_code == 413
+
+
+async def test_auth_is_one_security_dependency_on_every_route_a_service_adds():
+    from fastapi import APIRouter
+
+    settings = ControlSettings(token="secret", tokens={"viewer": ["read"]})
+    app = create_app("edge-test", settings, cookie_login_path="/thing")
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/later")
+    async def _later() -> dict:
+        return {"ok": True}
+
+    app.include_router(router)  # as every service does, after create_app
+    schemes = app.openapi()["components"]["securitySchemes"]
+    assert {s["type"] for s in schemes.values()} == {"http", "apiKey"}
+    assert [s.get("name") for s in schemes.values() if s["type"] == "apiKey"] == ["tandem_session"]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://edge") as c:
+        assert (await c.get("/v1/later")).status_code == 401
+        for path in ("/openapi.json", "/docs", "/redoc", "/metrics"):
+            r = await c.get(path)
+            assert (r.status_code, r.headers["www-authenticate"]) == (401, "Bearer"), path
+        assert (await c.get("/openapi.json", headers={"Authorization": "Bearer secret"})).status_code == 200
+        # the scheme is case-insensitive and padding around the token is ignored, as before
+        assert (await c.get("/v1/later", headers={"Authorization": "bearer   viewer "})).status_code == 200
+        r = await c.get("/v1/later", headers={"Authorization": "Basic c2VjcmV0"})
+        assert (r.status_code, r.json()) == (401, {"detail": "missing bearer token"})
+
+
+async def test_cookie_login_refusals_and_bad_cookies():
+    settings = ControlSettings(token="secret", tokens={"writer": ["write"]})
+    async with client_for(settings, cookie_login_path="/thing") as c:
+        r = await c.get("/thing?token=nope")
+        assert (r.status_code, r.json(), r.headers["www-authenticate"]) == (401, {"detail": "invalid token"}, "Bearer")
+        r = await c.get("/thing?token=writer")
+        assert (r.status_code, r.json()) == (403, {"detail": "this token lacks the 'read' scope"})
+        assert "set-cookie" not in r.headers
+        assert (await c.post("/thing?token=secret")).status_code == 401  # login is GET only
+        r = await c.get("/thing", headers={"Cookie": "tandem_session=00ff"})
+        assert (r.status_code, r.json()) == (401, {"detail": "invalid session cookie"})
+        # the writer's derived cookie reads nothing: a cookie only ever carries 'read'
+        writer_cookie = {"Cookie": f"tandem_session={session_cookie_value('writer')}"}
+        assert (await c.get("/thing", headers=writer_cookie)).status_code == 403
+        # a bearer beside a cookie is what counts
+        both = {"Cookie": f"tandem_session={session_cookie_value('secret')}", "Authorization": "Bearer nope"}
+        assert (await c.get("/thing", headers=both)).status_code == 401

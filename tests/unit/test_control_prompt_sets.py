@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from services.config import parse_run_config
-from services.control.groups import ANSWER_TAG, build_groups, epoch_order
-from services.control.prompt_sets import MAX_ERRORS, LineError, LineParser
+from services.control.groups import build_groups, epoch_order
+from services.promptsets import ANSWER_TAG, MAX_ERRORS, LineError, LineParser
 
 LINES = [{"prompt": f"{i}+1=", "type": "exact", "answer": str(i + 1)} for i in range(10)]
 BODY = "".join(json.dumps(x) + "\n" for x in LINES).encode()

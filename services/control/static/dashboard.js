@@ -1,18 +1,23 @@
-// tandem dashboard: polls the control plane's JSON routes and draws SVG charts.
-// No library and no network beyond this origin. Run data is inserted with
-// textContent / setAttribute only (never innerHTML).
+// tandem dashboard: polls the control plane's JSON routes and draws the charts with uPlot
+// (vendored beside this file as uPlot.iife.min.js, see uPlot.LICENSE). No network beyond this
+// origin. Run data is inserted with textContent / setAttribute only (never innerHTML), and
+// uPlot styles its elements through the CSSOM, which the page's CSP allows (style attributes
+// in markup it refuses).
 "use strict";
 
 const POLL_MS = 2000;
+const PAGE = 5000;
+const HEIGHT = 240;
 const COLORS = ["#1a56c4", "#d1495b", "#2a9d8f", "#e9a23b", "#7b4fb3"];
-const SVG = "http://www.w3.org/2000/svg";
-const W = 440, H = 220, PAD = { l: 48, r: 12, t: 10, b: 28 };
+const BOUND_COLOR = "#b3261e";
+const STEP_TICKS = [1, 10, 100, 1000, 10000, 100000].flatMap((e) => [e, 2 * e, 5 * e]); // steps are whole numbers
 
 const params = new URLSearchParams(location.search);
 let selected = params.get("run");
 let layout = null;
 let points = [];
 let next = null;
+const charts = new Map(); // chart id -> {fig, box, plot, labels, bound}
 
 async function getJSON(path) {
   const resp = await fetch(path, { credentials: "same-origin", headers: { Accept: "application/json" } });
@@ -20,8 +25,8 @@ async function getJSON(path) {
   return resp.json();
 }
 
-function el(tag, attrs = {}, text = null, ns = null) {
-  const node = ns ? document.createElementNS(ns, tag) : document.createElement(tag);
+function el(tag, attrs = {}, text = null) {
+  const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
   if (text !== null) node.textContent = text;
   return node;
@@ -66,69 +71,107 @@ function renderStatus(s) {
   }
 }
 
-function series(names) {
-  return names.map((name) => ({
-    name,
-    data: points.filter((p) => name in p.values).map((p) => [p.step, p.values[name]]).sort((a, b) => a[0] - b[0]),
-  }));
+// One series per metric; where several sources report one metric (two rollout servers'
+// tokens/s), one series per source, so their points are not joined into one zigzag line.
+function seriesKeys(names) {
+  const sources = new Map(names.map((n) => [n, new Set()]));
+  for (const p of points) for (const n of names) if (n in p.values) sources.get(n).add(p.source);
+  return names.flatMap((n) => {
+    const from = [...sources.get(n)].sort();
+    return from.length > 1 ? from.map((s) => ({ name: n, source: s, label: `${n} · ${s}` })) : [{ name: n, source: null, label: n }];
+  });
 }
 
-function drawChart(id, title, names, bound = null) {
-  const all = series(names);
-  const xs = all.flatMap((s) => s.data.map((d) => d[0]));
-  const ys = all.flatMap((s) => s.data.map((d) => d[1]));
-  const span = bound === null ? ys : ys.concat([bound]);
-  let [x0, x1] = xs.length ? [Math.min(...xs), Math.max(...xs)] : [0, 1];
-  let [y0, y1] = span.length ? [Math.min(0, ...span), Math.max(...span)] : [0, 1];
-  if (x1 === x0) x1 = x0 + 1;
-  if (y1 === y0) y1 = y0 + 1;
-  const sx = (x) => PAD.l + ((x - x0) / (x1 - x0)) * (W - PAD.l - PAD.r);
-  const sy = (y) => H - PAD.b - ((y - y0) / (y1 - y0)) * (H - PAD.t - PAD.b);
+// uPlot's data: [steps, ...one column per series], null where a series has no point at a step
+// (a later point at the same step replaces an earlier one).
+function columns(keys) {
+  const has = (k, p) => k.name in p.values && (k.source === null || k.source === p.source);
+  const mine = points.filter((p) => keys.some((k) => has(k, p)));
+  const steps = [...new Set(mine.map((p) => p.step))].sort((a, b) => a - b);
+  const at = new Map(steps.map((s, i) => [s, i]));
+  const cols = keys.map(() => new Array(steps.length).fill(null));
+  for (const p of mine) keys.forEach((k, j) => { if (has(k, p)) cols[j][at.get(p.step)] = p.values[k.name]; });
+  return [steps, ...cols];
+}
 
-  const svg = el("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, "data-chart": id, "data-points": ys.length }, null, SVG);
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + ((y1 - y0) * i) / 4;
-    svg.append(el("line", { class: "grid", x1: PAD.l, x2: W - PAD.r, y1: sy(y), y2: sy(y) }, null, SVG));
-    svg.append(el("text", { x: PAD.l - 4, y: sy(y) + 3, "text-anchor": "end" }, fmt(y), SVG));
-  }
-  for (const x of [x0, (x0 + x1) / 2, x1]) {
-    svg.append(el("text", { x: sx(x), y: H - PAD.b + 14, "text-anchor": "middle" }, fmt(Math.round(x)), SVG));
-  }
-  svg.append(el("text", { x: W - PAD.r, y: H - 2, "text-anchor": "end" }, "step", SVG));
-  svg.append(el("line", { class: "axis", x1: PAD.l, x2: PAD.l, y1: PAD.t, y2: H - PAD.b }, null, SVG));
-  svg.append(el("line", { class: "axis", x1: PAD.l, x2: W - PAD.r, y1: H - PAD.b, y2: H - PAD.b }, null, SVG));
-  if (bound !== null) {
-    svg.append(el("line", { class: "bound", x1: PAD.l, x2: W - PAD.r, y1: sy(bound), y2: sy(bound) }, null, SVG));
-    svg.append(el("text", { x: W - PAD.r - 2, y: sy(bound) - 3, "text-anchor": "end" }, `η = ${bound}`, SVG));
-  }
+function latest(col) {
+  for (let i = col.length - 1; i >= 0; i--) if (col[i] !== null) return col[i];
+  return null;
+}
 
-  const legend = el("div", { class: "legend" });
-  all.forEach((s, i) => {
-    const color = COLORS[i % COLORS.length];
-    const swatch = el("i");
-    swatch.style.background = color; // CSSOM, allowed by the page's CSP (style attributes are not)
-    const key = el("span"); key.append(swatch, `${s.name} (${s.data.length})`);
-    legend.append(key);
-    if (!s.data.length) return;
-    const pts = s.data.map(([x, y]) => `${sx(x).toFixed(1)},${sy(y).toFixed(1)}`).join(" ");
-    svg.append(el("polyline", { class: "line", points: pts, stroke: color, "data-series": s.name }, null, SVG));
-    for (const [x, y] of s.data) {
-      const dot = el("circle", { class: "pt", cx: sx(x).toFixed(1), cy: sy(y).toFixed(1), r: 2.4, fill: color, "data-series": s.name }, null, SVG);
-      dot.append(el("title", {}, `${s.name} @ step ${x}: ${fmt(y)}`, SVG));
-      svg.append(dot);
-    }
-  });
-  const fig = el("figure", { id: `chart-${id}` });
-  fig.append(el("figcaption", {}, title), svg, legend);
-  return fig;
+// y from min(0, data) to max(data), widened to include η on the staleness chart.
+function yRange(lo, hi, bound) {
+  if (lo === null || !Number.isFinite(lo)) [lo, hi] = [0, 1];
+  lo = Math.min(0, lo, bound ?? 0);
+  hi = Math.max(hi, bound ?? hi);
+  if (hi === lo) hi = lo + 1;
+  return [lo, hi + (hi - lo) * 0.05];
+}
+
+function drawBound(u, bound) {
+  if (bound === null) return;
+  const r = uPlot.pxRatio, y = u.valToPos(bound, "y", true), { left, width } = u.bbox;
+  const ctx = u.ctx;
+  ctx.save();
+  ctx.strokeStyle = ctx.fillStyle = BOUND_COLOR;
+  ctx.lineWidth = r;
+  ctx.setLineDash([4 * r, 3 * r]);
+  ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(left + width, y); ctx.stroke();
+  ctx.font = `${10 * r}px system-ui, sans-serif`;
+  ctx.textAlign = "right";
+  ctx.fillText(`η = ${bound}`, left + width - 2 * r, y - 3 * r);
+  ctx.restore();
+}
+
+function makePlot(chart, keys, data) {
+  // The legend shows each series' latest value, or the value under the cursor.
+  const value = (u, v, sidx, idx) => fmt(idx === null || idx === undefined ? latest(u.data[sidx]) : v);
+  const opts = {
+    width: chart.box.clientWidth || 440,
+    height: HEIGHT,
+    scales: { x: { time: false }, y: { range: (_u, lo, hi) => yRange(lo, hi, chart.bound) } },
+    axes: [{ label: "step", incrs: STEP_TICKS }, {}],
+    series: [
+      { label: "step", value },
+      ...keys.map((k, i) => ({ label: k.label, stroke: COLORS[i % COLORS.length], width: 1.6, spanGaps: true, value })),
+    ],
+    hooks: {
+      draw: [(u) => {
+        drawBound(u, chart.bound);
+        // what uPlot has just drawn, per series (the headless-browser test reads it)
+        const drawn = Object.fromEntries(keys.map((k, j) => [k.label, u.data[j + 1].filter((v) => v !== null).length]));
+        chart.fig.dataset.drawn = JSON.stringify(drawn);
+      }],
+    },
+  };
+  chart.labels = keys.map((k) => k.label).join("\n");
+  chart.plot = new uPlot(opts, data, chart.box);
 }
 
 function renderCharts(status) {
-  const eta = status.staleness.max_staleness;
+  if (typeof uPlot !== "function") throw new Error("the chart library /static/uPlot.iife.min.js did not load");
   const box = document.getElementById("charts");
-  box.replaceChildren(
-    ...Object.entries(layout).map(([id, c]) => drawChart(id, c.title, c.metrics, id === "staleness" ? eta : null)),
-  );
+  for (const [id, c] of Object.entries(layout)) {
+    let chart = charts.get(id);
+    if (!chart) {
+      const fig = el("figure", { id: `chart-${id}`, "data-chart": id });
+      const plotBox = el("div", { class: "plot" });
+      fig.append(el("figcaption", {}, c.title), plotBox);
+      box.append(fig);
+      chart = { fig, box: plotBox, plot: null, labels: null, bound: null };
+      new ResizeObserver(() => chart.plot?.setSize({ width: plotBox.clientWidth, height: HEIGHT })).observe(plotBox);
+      charts.set(id, chart);
+    }
+    chart.bound = id === "staleness" ? status.staleness.max_staleness : null;
+    const keys = seriesKeys(c.metrics);
+    const data = columns(keys);
+    if (chart.plot && chart.labels === keys.map((k) => k.label).join("\n")) {
+      chart.plot.setData(data);
+    } else {
+      chart.plot?.destroy();
+      makePlot(chart, keys, data);
+    }
+  }
 }
 
 async function refresh() {
@@ -143,13 +186,13 @@ async function refresh() {
       let page;
       do {
         const since = next ? `&since=${encodeURIComponent(next)}` : "";
-        page = await getJSON(`/v1/runs/${encodeURIComponent(selected)}/metrics?limit=5000${since}`);
+        page = await getJSON(`/v1/runs/${encodeURIComponent(selected)}/metrics?limit=${PAGE}${since}`);
         points = points.concat(page.points);
         next = page.next;
-      } while (page.points.length === 5000);
+      } while (page.points.length === PAGE);
       renderStatus(status);
-      renderCharts(status);
       document.getElementById("run").hidden = false;
+      renderCharts(status);
     }
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.ready = "1";

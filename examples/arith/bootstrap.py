@@ -1,7 +1,7 @@
 """``tandem bootstrap-model``: the example policy, built and cold-started from code.
 
 Nothing can be downloaded, so the example model is made here: a small
-Qwen3-architecture causal LM with a character tokenizer (``learner.tiny``),
+Qwen3-architecture causal LM with a character tokenizer (``examples.tiny``),
 then a short supervised fine-tune (SFT) on a prompt set whose lines carry an
 ``answer`` (the training split of ``examples/arith``): the target completion
 is ``<answer>{answer}</answer>`` followed by end-of-sequence. The cold start
@@ -86,7 +86,7 @@ def bootstrap(
     """Build and SFT the example policy into ``out`` (reused when already built)."""
     import torch
 
-    from learner.tiny import char_tokenizer
+    from examples.tiny import char_tokenizer
 
     out, data = Path(out), Path(data)
     recipe = Recipe(data=data.name, steps=steps, seed=seed,
@@ -111,7 +111,7 @@ def _train(out: Path, staging: Path, pairs, tok, recipe: Recipe, progress) -> Pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from learner.tiny import tiny_qwen3
+    from examples.tiny import tiny_qwen3
 
     seed, steps = recipe.seed, recipe.steps
     tiny_qwen3(staging, hidden=recipe.hidden, layers=recipe.layers, heads=recipe.heads,

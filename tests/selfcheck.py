@@ -1,8 +1,8 @@
 """One deterministic optimizer step without a broker: for equivalence checks.
 
-    python -m learner.selfcheck --model DIR --out W.safetensors [--zero-stage 0,2,3] [--steps 1]
-    python -m learner.selfcheck --model DIR --out UNUSED --plan runs.json
-    torchrun --nproc_per_node 2 -m learner.selfcheck --model DIR --out W.safetensors
+    python -m tests.selfcheck --model DIR --out W.safetensors [--zero-stage 0,2,3] [--steps 1]
+    python -m tests.selfcheck --model DIR --out UNUSED --plan runs.json
+    torchrun --nproc_per_node 2 -m tests.selfcheck --model DIR --out W.safetensors
 
 Builds a fixed synthetic batch of trajectory groups (seeded: every rank and
 every run builds the same one), trains ``--steps`` steps on it with the given
@@ -90,7 +90,7 @@ def run_one(model: Path, out: Path, stage: int, steps: int, overrides: dict) -> 
 
     from learner.batch import build_batch, split_ranks
     from learner.engine import Engine
-    from learner.weights import write_safetensors
+    from services.weightstore import write_safetensors
 
     overrides = json.loads(json.dumps(overrides))
     overrides.setdefault("learner", {})["zero_stage"] = stage
@@ -106,7 +106,7 @@ def run_one(model: Path, out: Path, stage: int, steps: int, overrides: dict) -> 
     adapter = None
     if cfg.publish.lora_format == "adapter":
         from learner.trainer import publish_tensors
-        from learner.weights import write_version
+        from services.weightstore import write_version
 
         tensors, layout = publish_tensors(engine, cfg, torch.float32)
         if engine.rank == 0:

@@ -1,0 +1,88 @@
+"""Child processes that tandem owns: free ports to give them, and ending them by process group.
+
+Whoever starts a service, a Redis or a test server starts it in its own
+process group (``start_new_session=True``) with :func:`die_with_parent`, and
+ends it with :func:`stop_group` / :func:`stop_groups`: SIGTERM to the
+process itself (it shuts its own children down in order: the rollout server
+stops vLLM's engine core, Redis flushes its AOF), then, once it exited or
+after a grace period, SIGKILL to the whole group (stragglers). Nothing is
+ever ended by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now and that the kernel will not hand out by itself.
+
+    Ports come from below the ephemeral range: a port picked from inside it
+    (``bind(0)``) can be taken by any other ``bind(0)`` before our server
+    binds it, and vLLM's engine binds several while it starts, for tens of
+    seconds, before uvicorn binds the service's port.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range is taken: fall back to the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """preexec_fn: the kernel SIGTERMs this child when its parent thread dies."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_groups(procs: Sequence[subprocess.Popen], grace_s: float = 30.0,
+                on_timeout=None) -> list[int]:
+    """End processes started in their own process groups, all at once; return their exit statuses.
+
+    SIGTERM to each process (not its group: a group-wide SIGTERM would kill a child, such as
+    vLLM's engine core, under the process that is shutting it down), a shared deadline of
+    ``grace_s``, then SIGKILL to every group. ``on_timeout(proc)`` is called for each process
+    still running at the deadline.
+    """
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            if on_timeout is not None:
+                on_timeout(proc)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return [proc.wait(timeout=30) for proc in procs]
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+    """:func:`stop_groups` for one process."""
+    return stop_groups([proc], grace_s)[0]
