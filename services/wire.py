@@ -13,7 +13,8 @@ Who sends what:
 - anyone -> reward server ``POST /v1/execute``: :class:`ExecuteRequest` -> :class:`ExecuteResult`
 - rollout server -> ``trajectories`` stream: :class:`TrajectoryGroup`
 - anyone -> rollout server ``POST /v1/generate``: :class:`GenerateRequest` -> :class:`GenerateResponse`
-- learner -> broker registry -> rollout servers: :class:`WeightVersion`
+- learner -> broker registry -> rollout servers: ``broker.weights.WeightVersion`` (defined beside
+  its registry, the broker being the layer below this module)
   (``POST /v1/weights``: :class:`LoadWeights` -> :class:`WeightsStatus`)
 - control plane <-> learner / rollout servers, through Redis (``services.runs``):
   :class:`RunRecord` (the run registry) and :class:`MetricPoint` (its time series)
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, TypeVar, get_args
 
 import msgpack
 import numpy as np
@@ -40,8 +41,8 @@ from pydantic import (
     model_validator,
 )
 
-from broker.streams import Delivery, Stream
-from broker.weights import WeightVersion  # noqa: F401  (defined beside its registry; re-exported)
+if TYPE_CHECKING:  # the payload types import nothing of the broker at run time
+    from broker.streams import Delivery, Stream
 
 
 class Wire(BaseModel):
