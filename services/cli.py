@@ -316,6 +316,65 @@ def status(
         _fail(_http_error(e), code=1)
 
 
+@app.command()
+def plan(
+    model: Annotated[str, typer.Option("--model", help="Preset, e.g. qwen3-8b-base (case-insensitive).")],
+    mode: Annotated[str, typer.Option(help="lora, qlora or full.")] = "lora",
+    gpus: Annotated[str, typer.Option(help="GPUs as Modal spells them: 8xH100 or H100:8.")] = "1xH100",
+    group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (G).")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per completion (L).")] = 1024,
+    zero_stage: Annotated[int | None, typer.Option("--zero-stage", help="ZeRO stage (default 3 for full, 0/2 for LoRA).")] = None,
+    offload: Annotated[bool, typer.Option("--offload", help="Optimizer state (and, at ZeRO-3, parameters) on CPU.")] = False,
+    no_checkpointing: Annotated[bool, typer.Option("--no-checkpointing", help="Plan without activation checkpointing.")] = False,
+    beta: Annotated[float, typer.Option(help="loss.beta; above 0 a full run holds a reference model.")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+) -> None:
+    """Estimate per-GPU memory of a GRPO run; exit 0 if it fits, 2 if not (1 on bad input)."""
+    import json
+
+    from services import plan as planner
+    from services.presets import preset
+
+    try:
+        p = preset(model)
+        kwargs = dict(group_size=group_size, max_tokens=max_tokens, checkpointing=not no_checkpointing, beta=beta)
+        result = planner.plan(p, mode, gpus, zero_stage=zero_stage, offload=offload, **kwargs)
+        smallest = None if result.fits else planner.smallest_fit(p, mode, gpus, offload=offload, **kwargs)
+    except ValueError as e:
+        _fail(str(e), code=1)  # 2 means "does not fit"
+    if as_json:
+        out = result.model_dump(mode="json") | {
+            "activations": result.activations, "total": result.total, "budget": result.budget, "fits": result.fits,
+            "smallest_fit": smallest.label if smallest else None,
+        }
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{p.short_name} {result.mode} on {result.label}")
+        table.add_column("component")
+        table.add_column("GB per GPU", justify="right")
+        ckpt = "checkpointed" if result.checkpointing else "no checkpointing"
+        rows = [
+            ("learner weights", result.weights), ("gradients", result.gradients), ("optimizer", result.optimizer),
+            (f"activations ({ckpt})", result.activations), ("reference model", result.reference),
+            ("rollout weights", result.rollout_weights), ("KV cache", result.kv_cache), ("runtime", result.runtime),
+        ]
+        for name, gb in rows:
+            table.add_row(name, f"{gb:.1f}")
+        table.add_row("total", f"{result.total:.1f}", style="bold")
+        table.add_row(f"budget ({planner.HEADROOM:.0%} of {result.gpu_memory:g})", f"{result.budget:.1f}")
+        console = Console()
+        console.print(table)
+        if result.fits:
+            console.print("[green]fits[/green]")
+        else:
+            hint = f"smallest that fits: {smallest.label}" if smallest else f"no fit up to 16x{result.gpu}"
+            console.print(f"[red]does not fit[/red]; {hint}")
+    raise typer.Exit(0 if result.fits else 2)
+
+
 def main() -> None:
     app()
 

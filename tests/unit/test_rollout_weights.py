@@ -34,8 +34,8 @@ async def _prepare(tmp_path, name, tensors=SIG, *, sha="written", mutate=None):
     """
     import torch
 
-    from services import weightstore as store
     from rollout_server.transports import FilesystemTransport
+    from services import weightstore as store
     from services.wire import LoadWeights
 
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16}

@@ -1,0 +1,243 @@
+"""A memory planner: does a GRPO run of this model fit on these GPUs?
+
+Pure arithmetic over ``services/presets.py``; no torch. ``tandem plan`` prints
+it. Figures are per GPU, in GB (1e9 bytes), against the nominal memory Modal
+quotes for the GPU type; a plan fits when its total is at most
+``HEADROOM`` (0.9) of that, the rest left to fragmentation and allocator
+slack.
+
+The layout it assumes: the learner and the rollout engine share the GPUs
+(colocated). The learner is one DeepSpeed job with one rank per GPU, each
+rank taking a micro-batch of one group (``G x L`` tokens; the learner's
+``micro_batch_tokens`` default, 8192, is ``8 x 1024``). The rollout engine
+is vLLM with tensor parallelism over all N GPUs, so each holds 1/N of its
+weights and of its KV cache. Per GPU, with P the model's parameters, T the
+trainable ones (P for ``full``; the LoRA adapter otherwise), N GPUs and
+ZeRO stage z:
+
+- learner weights: bf16, 2 bytes/param (``qlora``: NF4 base, 0.5 bytes plus
+  0.016 for the double-quantized block constants, embeddings and head kept
+  in bf16), plus the bf16 adapter; divided by N at z = 3. With offload at
+  z = 3 the parameters live in CPU memory and the GPU holds two gathered
+  layers (the one running and the one prefetched).
+- gradients: bf16, 2 bytes x T; divided by N at z >= 2.
+- optimizer: Adam fp32 master weights + m + v, 12 bytes x T (ZeRO's K = 12,
+  Rajbhandari et al. 2020); divided by N at z >= 1; 0 with offload (CPU).
+- activations, for t = G x L tokens of sequence length s = L, a layers, h
+  hidden, n_h heads, V vocabulary. One layer's working set, from
+  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", eq. 1, 16-bit, no sequence parallelism), is
+  ``(34 h + 5 n_h s)`` bytes/token (the ``5 n_h s`` term is the attention
+  scores, an upper bound where a fused kernel does not materialize them).
+  Without checkpointing every layer keeps it: ``t a (34 h + 5 n_h s)``.
+  With checkpointing each layer keeps only its bf16 input, and one layer is
+  recomputed at a time: ``t (2 h a + 34 h + 5 n_h s)``. Both add the logits,
+  ``8 t V``: the fp32 temperature-scaled logits (``learner/engine.py``) and
+  the fp32 log-softmax that ``learner/loss.py`` keeps for backward.
+- reference model: only when ``loss.beta > 0`` (the default is 0, so none).
+  For ``full`` a frozen bf16 copy, divided by N at z = 3; LoRA takes the
+  reference from the adapter-disabled base, so it costs nothing.
+- rollout weights: the base in bf16 (NF4 for ``qlora``; vLLM serves
+  bitsandbytes checkpoints) / N.
+- KV cache: ``2 a n_kv d 2`` bytes per token (K and V, bf16), for
+  ``groups_in_flight x G x L`` tokens, / N. The default, 2 groups, is one
+  group decoding and the next admitted; vLLM queues (or preempts) the rest
+  of a step's groups rather than needing their cache at once. Every layer is
+  counted at full length, an upper bound for OLMo 3's sliding-window layers
+  past 4096 tokens.
+- runtime: 2 GB for two CUDA contexts, NCCL buffers and vLLM's graphs.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict
+
+from services.presets import ModelPreset
+
+GB = 1e9
+HEADROOM = 0.9
+"""Fraction of a GPU's memory a plan may fill."""
+GPU_MEMORY_GB: dict[str, float] = {
+    "H100": 80, "H200": 141, "A100-80GB": 80, "A100-40GB": 40, "L40S": 48, "A10": 24, "L4": 24, "B200": 180,
+}
+"""GPU types as Modal spells them, with their memory."""
+GPU_COUNTS = (1, 2, 4, 8, 16)
+"""The GPU counts ``smallest_fit`` tries."""
+RUNTIME_GB = 2.0
+QLORA_BYTES = 0.5 + 0.016
+LOGIT_BYTES = 8
+
+
+class Mode(StrEnum):
+    lora = "lora"
+    qlora = "qlora"
+    full = "full"
+
+
+def parse_gpus(spec: str) -> tuple[str, int]:
+    """``"8xH100"``, ``"H100:8"`` or ``"H100"`` -> ``("H100", 8)``; type names are case-insensitive."""
+    m = re.fullmatch(r"(?:(\d+)\s*[xX]\s*)?([A-Za-z0-9-]+?)(?::(\d+))?", spec.strip())
+    if not m or (m.group(1) and m.group(3)):
+        raise ValueError(f"cannot read GPUs {spec!r}; write them as 8xH100 or H100:8")
+    names = {k.lower(): k for k in GPU_MEMORY_GB}
+    kind = names.get(m.group(2).lower())
+    if kind is None:
+        raise ValueError(f"unknown GPU type {m.group(2)!r}; valid: {', '.join(GPU_MEMORY_GB)}")
+    count = int(m.group(1) or m.group(3) or 1)
+    if count < 1:
+        raise ValueError(f"GPU count must be at least 1 in {spec!r}")
+    return kind, count
+
+
+class Plan(BaseModel):
+    """Memory per GPU, in GB, of one configuration. ``total`` counts the
+    activations with or without checkpointing as ``checkpointing`` says."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    mode: Mode
+    gpu: str
+    gpus: int
+    gpu_memory: float
+    zero_stage: int
+    offload: bool
+    checkpointing: bool
+    group_size: int
+    max_tokens: int
+    groups_in_flight: int
+    beta: float
+    weights: float
+    gradients: float
+    optimizer: float
+    activations_checkpointed: float
+    activations_full: float
+    reference: float
+    rollout_weights: float
+    kv_cache: float
+    runtime: float
+
+    @property
+    def activations(self) -> float:
+        return self.activations_checkpointed if self.checkpointing else self.activations_full
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.gradients + self.optimizer + self.activations + self.reference
+                + self.rollout_weights + self.kv_cache + self.runtime)
+
+    @property
+    def budget(self) -> float:
+        return HEADROOM * self.gpu_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    @property
+    def label(self) -> str:
+        off = ", offload" if self.offload else ""
+        return f"{self.gpus}x{self.gpu}, ZeRO-{self.zero_stage}{off}"
+
+
+def lora_params(p: ModelPreset, rank: int = 8) -> float:
+    """Adapter parameters for rank ``rank`` on q/k/v/o (the learner's default targets)."""
+    q, kv = p.heads * p.head_dim, p.kv_heads * p.head_dim
+    per_layer = (p.hidden + q) + 2 * (p.hidden + kv) + (q + p.hidden)
+    return p.layers * rank * per_layer
+
+
+def base_bytes(p: ModelPreset, mode: Mode) -> float:
+    """The frozen (or, for ``full``, trained) base model's weights in bytes."""
+    if mode is Mode.qlora:
+        return (p.params - p.embedding_params) * QLORA_BYTES + p.embedding_params * 2
+    return p.params * 2
+
+
+def default_zero_stage(mode: Mode, gpus: int) -> int:
+    """3 for ``full``; 0 on one GPU and 2 on more for LoRA."""
+    if mode is Mode.full:
+        return 3
+    return 0 if gpus == 1 else 2
+
+
+def plan(
+    p: ModelPreset,
+    mode: Mode | str,
+    gpus: str,
+    *,
+    group_size: int = 8,
+    max_tokens: int = 1024,
+    zero_stage: int | None = None,
+    offload: bool = False,
+    checkpointing: bool = True,
+    beta: float = 0.0,
+    groups_in_flight: int = 2,
+    lora_rank: int = 8,
+) -> Plan:
+    """Per-GPU memory of a GRPO run (formulas in the module docstring)."""
+    if mode not in set(Mode):
+        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(Mode)}")
+    mode = Mode(mode)
+    kind, n = parse_gpus(gpus)
+    z = default_zero_stage(mode, n) if zero_stage is None else zero_stage
+    if z not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {z}")
+    if offload and z == 0:
+        raise ValueError("offload needs ZeRO stage 1 or more (the optimizer state is what moves to CPU)")
+    if group_size < 1 or max_tokens < 1 or groups_in_flight < 1:
+        raise ValueError("group_size, max_tokens and groups_in_flight must be positive")
+
+    trainable = p.params if mode is Mode.full else lora_params(p, lora_rank)
+    base = base_bytes(p, mode)
+    if z == 3 and offload:
+        per_layer = (base - p.embedding_params * 2) / p.layers
+        weights = 2 * per_layer
+    else:
+        weights = base / n if z == 3 else base
+    if mode is not Mode.full:
+        weights += 2 * trainable
+    gradients = 2 * trainable / (n if z >= 2 else 1)
+    optimizer = 0.0 if offload else 12 * trainable / (n if z >= 1 else 1)
+
+    t, s, h, a = group_size * max_tokens, max_tokens, p.hidden, p.layers
+    layer = 34 * h + 5 * p.heads * s
+    logits = LOGIT_BYTES * t * p.vocab
+    act_full = t * a * layer + logits
+    act_ckpt = t * (2 * h * a + layer) + logits
+
+    reference = 0.0
+    if beta > 0 and mode is Mode.full:
+        reference = base / n if z == 3 else base
+
+    kv_per_token = 2 * a * p.kv_heads * p.head_dim * 2
+    kv = kv_per_token * groups_in_flight * group_size * max_tokens / n
+
+    return Plan(
+        model=p.short_name, mode=mode, gpu=kind, gpus=n, gpu_memory=GPU_MEMORY_GB[kind], zero_stage=z,
+        offload=offload, checkpointing=checkpointing, group_size=group_size, max_tokens=max_tokens,
+        groups_in_flight=groups_in_flight, beta=beta,
+        weights=weights / GB, gradients=gradients / GB, optimizer=optimizer / GB,
+        activations_checkpointed=act_ckpt / GB, activations_full=act_full / GB, reference=reference / GB,
+        rollout_weights=base / n / GB, kv_cache=kv / GB, runtime=RUNTIME_GB,
+    )
+
+
+def smallest_fit(p: ModelPreset, mode: Mode | str, gpu: str, *, offload: bool = False, **kwargs) -> Plan | None:
+    """The first plan that fits, trying 1, 2, 4, 8 and 16 GPUs of ``gpu``'s
+    type (its count is ignored) and, at each count, ZeRO stages from low
+    (less communication) to high. Offload is tried only when ``offload`` is
+    set (then at stages 1 to 3): it trades step time for memory, a choice
+    left to the caller. ``kwargs`` go to ``plan``. None when 16 GPUs do not
+    suffice."""
+    kind, _ = parse_gpus(gpu)
+    kwargs.pop("zero_stage", None)
+    for n in GPU_COUNTS:
+        for z in (1, 2, 3) if offload else (0, 1, 2, 3):
+            candidate = plan(p, mode, f"{n}x{kind}", zero_stage=z, offload=offload, **kwargs)
+            if candidate.fits:
+                return candidate
+    return None

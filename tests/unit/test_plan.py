@@ -1,0 +1,181 @@
+"""The memory planner against the published planning table, and ``tandem plan``.
+
+The table (GPUs a GRPO run needs, per model and mode):
+
+| model | LoRA/QLoRA GRPO | full-parameter GRPO |
+|---|---|---|
+| Qwen3-4B-Base | 1x 24-48 GB | 1x 80 GB or 2x 40-48 GB |
+| Qwen3-8B-Base | 1x 40-80 GB | 2-4x 80 GB |
+| OLMo-3-1025-7B | 1x 40-80 GB | 2-4x 80 GB |
+| Qwen3-14B-Base | 1-2x 80 GB | 4-8x 80 GB |
+| Qwen3-30B-A3B-Base | 2-4x 80 GB | 8+x 80 GB |
+| OLMo-3-1125-32B | 4x 80 GB | 8-16+x 80 GB |
+
+Checked at the planner's defaults: G = 8 completions of L = 1024 tokens,
+activation checkpointing on, 2 groups in flight, loss.beta = 0, no offload
+unless a case says so. A cell holds when the run fits (at some ZeRO stage) at
+the cell's upper bound and fits at no ZeRO stage below its lower bound. For
+LoRA the upper bound is checked for both LoRA and QLoRA and the lower bound
+for LoRA; QLoRA, which exists to go lower, is allowed to.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.plan import Mode, parse_gpus, plan, smallest_fit
+from services.presets import PRESETS, preset
+
+
+def fits(model: str, mode: str, gpus: str, offload: bool = False) -> bool:
+    stages = (1, 2, 3) if offload else (0, 1, 2, 3)
+    return any(plan(preset(model), mode, gpus, zero_stage=z, offload=offload).fits for z in stages)
+
+
+# (model, upper bound that must fit, a configuration below the lower bound that must not)
+LORA_CELLS = [
+    ("qwen3-4b-base", "1xL40S", None),  # 24 GB is the smallest type planned for: nothing below
+    ("qwen3-8b-base", "1xH100", "1xL4"),
+    ("olmo-3-1025-7b", "1xH100", "1xL4"),
+    ("qwen3-14b-base", "2xH100", "1xL40S"),
+    ("qwen3-30b-a3b-base", "4xH100", "1xH100"),
+    ("olmo-3-1125-32b", "4xH100", "2xH100"),
+]
+FULL_CELLS = [
+    ("qwen3-8b-base", "4xH100", "1xH100"),
+    ("olmo-3-1025-7b", "4xH100", "1xH100"),
+    ("qwen3-14b-base", "8xH100", "2xH100"),
+    ("qwen3-30b-a3b-base", "16xH100", "4xH100"),  # "8+": see test_moe_full_needs_more_than_eight
+    ("olmo-3-1125-32b", "16xH100", "4xH100"),
+]
+
+
+@pytest.mark.parametrize(("model", "upper", "below"), LORA_CELLS)
+def test_lora_cells(model, upper, below):
+    assert fits(model, "lora", upper)
+    assert fits(model, "qlora", upper)
+    if below:
+        assert not fits(model, "lora", below)
+
+
+@pytest.mark.parametrize(("model", "upper", "below"), FULL_CELLS)
+def test_full_cells(model, upper, below):
+    assert fits(model, "full", upper)
+    assert not fits(model, "full", below)
+
+
+def test_qwen3_4b_full_needs_optimizer_offload_on_80gb():
+    # 16 bytes/param of learner state (64 GB) + 8 GB of rollout weights leave no room on
+    # one 80 GB GPU; the table's 1x80 GB and 2x48 GB hold with the optimizer on CPU.
+    assert not fits("qwen3-4b-base", "full", "1xH100")
+    assert fits("qwen3-4b-base", "full", "1xH100", offload=True)
+    assert fits("qwen3-4b-base", "full", "2xL40S", offload=True)
+    assert not fits("qwen3-4b-base", "full", "1xL40S")
+    assert not fits("qwen3-4b-base", "full", "2xL4")
+
+
+def test_moe_full_needs_more_than_eight():
+    # At 8x80 GB ZeRO-3 the learner state is 61 GB/GPU and the rollout weights 7.6 GB,
+    # leaving under 4 GB of a 72 GB budget for 10 GB of logits: the planner says 16.
+    assert not fits("qwen3-30b-a3b-base", "full", "8xH100")
+    assert fits("qwen3-30b-a3b-base", "full", "8xH100", offload=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "mode", "low", "high"),
+    [
+        ("qwen3-4b-base", "lora", 1, 1), ("qwen3-8b-base", "lora", 1, 1), ("olmo-3-1025-7b", "lora", 1, 1),
+        ("qwen3-14b-base", "lora", 1, 2), ("qwen3-30b-a3b-base", "lora", 2, 4), ("olmo-3-1125-32b", "lora", 4, 4),
+        ("qwen3-4b-base", "full", 1, 2), ("qwen3-8b-base", "full", 2, 4), ("olmo-3-1025-7b", "full", 2, 4),
+        ("qwen3-14b-base", "full", 4, 8), ("qwen3-30b-a3b-base", "full", 8, 16), ("olmo-3-1125-32b", "full", 8, 16),
+    ],
+)
+def test_smallest_fit_on_80gb_is_within_the_table(model, mode, low, high):
+    best = smallest_fit(preset(model), mode, "H100")
+    assert best is not None and best.fits
+    assert low <= best.gpus <= high, best.label
+
+
+def test_components_follow_the_zero_stage():
+    p = preset("qwen3-8b-base")
+    z0, z1, z2, z3 = (plan(p, "full", "4xH100", zero_stage=z) for z in range(4))
+    assert z0.optimizer == pytest.approx(12 * p.params / 1e9)
+    assert z1.optimizer == pytest.approx(z0.optimizer / 4) and z1.gradients == z0.gradients
+    assert z2.gradients == pytest.approx(z0.gradients / 4) and z2.weights == z0.weights
+    assert z3.weights == pytest.approx(z0.weights / 4)
+    assert plan(p, "full", "4xH100", offload=True).optimizer == 0
+    # checkpointing saves memory; a reference model costs a weight copy for full, nothing for LoRA
+    assert z3.activations_checkpointed < z3.activations_full
+    assert plan(p, "full", "4xH100", beta=0.04).reference == pytest.approx(z3.weights)
+    assert plan(p, "lora", "1xH100", beta=0.04).reference == 0
+    parts = ("weights", "gradients", "optimizer", "activations", "reference", "rollout_weights", "kv_cache", "runtime")
+    assert z3.runtime == 2.0 and z3.total == pytest.approx(sum(getattr(z3, k) for k in parts))
+    # QLoRA: NF4 linear layers (0.516 bytes/param with block constants), bf16 embedding and head
+    emb = 151936 * 4096 * 2
+    assert plan(p, "qlora", "1xH100").rollout_weights == pytest.approx(((p.params - emb) * 0.516 + emb * 2) / 1e9)
+
+
+def test_lora_trains_only_the_attention_adapter():
+    # rank 8 on q, k, v, o (the learner's defaults): 36 layers x 8 x (8192 + 2 x 5120 + 8192)
+    lora = plan(preset("qwen3-8b-base"), "lora", "1xH100")
+    assert lora.optimizer == pytest.approx(12 * 36 * 8 * 26624 / 1e9)
+    assert lora.gradients == pytest.approx(2 * 36 * 8 * 26624 / 1e9)
+
+
+def test_kv_cache_per_token():
+    p = preset("qwen3-8b-base")  # 36 layers, 8 KV heads of 128: 147,456 bytes per token
+    kv = plan(p, "lora", "2xH100", group_size=4, max_tokens=1000, groups_in_flight=3).kv_cache
+    assert kv == pytest.approx(2 * 36 * 8 * 128 * 2 * 3 * 4 * 1000 / 2 / 1e9)
+
+
+def test_presets_and_lookup():
+    assert len(PRESETS) == 6
+    assert preset("qwen3-8b-base") is preset("Qwen/Qwen3-8B-Base")
+    moe = preset("QWEN3-30B-A3B-BASE")
+    assert (moe.experts, moe.experts_per_token, moe.active_params < moe.params) == (128, 8, True)
+    with pytest.raises(ValueError, match="valid: Qwen3-4B-Base.*OLMo-3-1125-32B"):
+        preset("llama-3-8b")
+
+
+def test_parse_gpus():
+    assert parse_gpus("8xH100") == parse_gpus("H100:8") == ("H100", 8)
+    assert parse_gpus("a100-80gb:2") == ("A100-80GB", 2)
+    assert parse_gpus("L40S") == ("L40S", 1)
+    with pytest.raises(ValueError, match="unknown GPU type 'T4'"):
+        parse_gpus("1xT4")
+    with pytest.raises(ValueError, match="cannot read"):
+        parse_gpus("2xH100:4")
+    with pytest.raises(ValueError, match="offload needs"):
+        plan(preset("qwen3-4b-base"), Mode.full, "1xH100", zero_stage=0, offload=True)
+
+
+runner = CliRunner()
+
+
+def test_cli_exit_codes_and_json():
+    base = ["plan", "--model", "qwen3-8b-base", "--mode", "full", "--max-tokens", "1024", "--group-size", "8"]
+    ok = runner.invoke(app, [*base, "--gpus", "4xH100"])
+    assert ok.exit_code == 0, ok.output
+    assert "optimizer" in ok.output and "fits" in ok.output
+    no = runner.invoke(app, [*base, "--gpus", "H100:1", "--json"])
+    assert no.exit_code == 2, no.output
+    out = json.loads(no.output)
+    assert out["fits"] is False and out["gpus"] == 1 and out["total"] > out["budget"] == 72.0
+    assert out["smallest_fit"] == "4xH100, ZeRO-2"
+    # without checkpointing every layer's activations stay: 8B LoRA no longer fits on one H100
+    lora = ["plan", "--model", "qwen3-8b-base", "--mode", "lora", "--gpus", "1xH100", "--json"]
+    assert runner.invoke(app, lora).exit_code == 0
+    full_acts = runner.invoke(app, [*lora, "--no-checkpointing"])
+    assert full_acts.exit_code == 2
+    assert json.loads(full_acts.output)["activations"] == json.loads(full_acts.output)["activations_full"]
+
+
+def test_cli_errors_name_the_valid_choices():
+    bad_model = runner.invoke(app, ["plan", "--model", "gpt-5", "--gpus", "1xH100"])
+    assert bad_model.exit_code == 1 and "valid: Qwen3-4B-Base" in bad_model.output
+    bad_gpu = runner.invoke(app, ["plan", "--model", "qwen3-4b-base", "--gpus", "2xV100"])
+    assert bad_gpu.exit_code == 1 and "unknown GPU type 'V100'" in bad_gpu.output
