@@ -165,7 +165,8 @@ class Engine:
     def micro_batches(self, seqs: list[TrainSeq]) -> list[list[TrainSeq]]:
         """This rank's micro-batches, padded with empty ones to the count of the busiest rank."""
         mbs = pack(seqs, self.cfg.learner.micro_batch_tokens)
-        n = torch.tensor([len(mbs)], dtype=torch.long)
+        # on the accelerator: NCCL reduces device tensors only (gloo takes either)
+        n = torch.tensor([len(mbs)], dtype=torch.long, device=self.device)
         torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
         return mbs + [[] for _ in range(int(n) - len(mbs))]
 
@@ -191,9 +192,9 @@ class Engine:
             self.engine.backward(loss * self.world, scale_wrt_gas=False)
             local.merge(st)
         self.engine.step()
-        total = torch.tensor(local.as_vector(), dtype=torch.float64)
+        total = torch.tensor(local.as_vector(), dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(total)
-        wmax = torch.tensor([local.is_weight_max], dtype=torch.float64)
+        wmax = torch.tensor([local.is_weight_max], dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(wmax, op=torch.distributed.ReduceOp.MAX)
         out = LossStats.from_vector(total.tolist(), float(wmax)).summary()
         norm = self.engine.get_global_grad_norm()
