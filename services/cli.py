@@ -375,6 +375,39 @@ def plan(
     raise typer.Exit(0 if result.fits else 2)
 
 
+@app.command()
+def deploy(
+    target: Annotated[str, typer.Argument(help="Where to deploy (modal).")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML) the deployed services serve.")],
+    modal_toml: Annotated[Path | None, typer.Option("--modal-toml", help="TOML file with a [modal] table (GPUs, containers).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and its environment; deploy nothing.")] = False,
+) -> None:
+    """Deploy the services as a Modal app: `modal deploy -m deploy.modal_app` for this run config."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from services.config import ConfigError, load_run_config
+
+    if target != "modal":
+        _fail(f"unknown deploy target {target!r} (choose from: modal)")
+    try:
+        load_run_config(config)
+    except ConfigError as e:
+        _fail(str(e))
+    if modal_toml is not None and not modal_toml.exists():
+        _fail(f"{modal_toml}: no such file")
+    env = {"DEPLOY_RUN_CONFIG": str(config.resolve())}
+    if modal_toml is not None:
+        env["DEPLOY_MODAL_TOML"] = str(modal_toml.resolve())
+    cmd = [sys.executable, "-m", "modal", "deploy", "-m", "deploy.modal_app"]
+    typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), err=True)
+    if dry_run:
+        return
+    raise typer.Exit(subprocess.call(cmd, env={**os.environ, **env}))
+
+
 def main() -> None:
     app()
 

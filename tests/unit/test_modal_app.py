@@ -350,3 +350,30 @@ def test_a_service_that_exits_ends_its_container_with_its_status():
     with pytest.raises(RuntimeError, match="exited with 4"):
         launch.run([sys.executable, "-c", "raise SystemExit(4)"])
     launch.run([sys.executable, "-c", "pass"])
+
+
+def test_tandem_deploy_modal_runs_modal_deploy_on_the_app_with_the_run_config(tmp_path):
+    """`tandem deploy modal --dry-run` names `modal deploy -m deploy.modal_app` and the environment that
+    picks the run config; that environment builds the app (offline) for that config."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from services.cli import app as cli
+
+    config = ROOT / "examples/arith/run.toml"  # the app ships the config's folder: it lives in the repository
+    out = CliRunner().invoke(cli, ["deploy", "modal", "--config", str(config), "--dry-run"])
+    assert out.exit_code == 0, out.output
+    words = shlex.split(out.output.strip().splitlines()[-1])
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    assert env == {"DEPLOY_RUN_CONFIG": str(config)}
+    assert words[len(env):][1:] == ["-m", "modal", "deploy", "-m", "deploy.modal_app"]
+    built = subprocess.run([sys.executable, "-c", "import deploy.modal_app as m; print(m.app.name)"],
+                           env={**os.environ, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert built.stdout.split()[-1] == "tandem-arith"
+    bad = CliRunner().invoke(cli, ["deploy", "gcp", "--config", str(config), "--dry-run"])
+    assert bad.exit_code == 2 and "unknown deploy target" in bad.output
