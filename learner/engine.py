@@ -247,6 +247,14 @@ class Engine:
                         # a gathered ZeRO-3 parameter is released when the context exits: copy it;
                         # otherwise the live tensor is fine (it is written before the next step)
                         out[key] = t.clone() if gather and t.data_ptr() == p.data_ptr() else t
+        if self.rank == 0:
+            # transformers 5 fuses some checkpoint tensors when it loads a model (an MoE layer's
+            # experts become mlp.experts.gate_up_proj / down_proj); readers of a published version
+            # (vLLM, from_pretrained) expect the checkpoint's layout (mlp.experts.N.*_proj.weight)
+            from transformers.core_model_loading import revert_weight_conversion
+
+            base = module.get_base_model() if self.lora else module
+            out = revert_weight_conversion(base, out)
         return out
 
     def adapter_state_dict(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], str]:
