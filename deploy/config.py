@@ -27,10 +27,11 @@ produced them. Modal itself is not imported here.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.config import read_toml
 
 RUN_DIR = "/runs"
 """Where the weights volume is mounted in every container, and ``TANDEM_RUN_DIR`` there."""
@@ -163,13 +164,7 @@ def load_deploy(path: str | Path | None) -> ModalDeploy:
     """The ``[modal]`` table of the TOML file at ``path`` (no file, or no table: the defaults)."""
     if path is None:
         return ModalDeploy()
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: not valid TOML: {e}") from None
+    data = read_toml(path)
     try:
         return ModalDeploy.model_validate(data.get("modal", {}))
     except ValueError as e:

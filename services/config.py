@@ -269,13 +269,17 @@ def parse_run_config(data: dict, source: str = "<config>") -> RunConfig:
         raise ConfigError(format_validation_error(e, source)) from None
 
 
-def load_run_config(path: str | Path) -> RunConfig:
-    """Read, validate and resolve a run config file. Raises :class:`ConfigError`."""
-    path = Path(path)
+def read_toml(path: str | Path) -> dict:
+    """A TOML file's contents. Raises :class:`ConfigError` naming the file."""
     try:
-        data = tomllib.loads(path.read_text())
+        return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    return parse_run_config(data, str(path)).resolve_paths(path.parent)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read, validate and resolve a run config file. Raises :class:`ConfigError`."""
+    path = Path(path)
+    return parse_run_config(read_toml(path), str(path)).resolve_paths(path.parent)
