@@ -70,17 +70,17 @@ SOURCES = ("services", "broker", "rollout_server", "reward_server", "learner", "
 if modal.is_local():
     RUN_CONFIG = Path(os.environ.get("DEPLOY_RUN_CONFIG", REPO_ROOT / "examples" / "arith" / "run.toml"))
     REMOTE_CONFIG = launch.container_path(RUN_CONFIG, REPO_ROOT)
-    PLAN = load_deploy(os.environ.get("DEPLOY_MODAL_TOML"))
+    SECTION = load_deploy(os.environ.get("DEPLOY_MODAL_TOML"))
 else:  # in a container: the image carries the resolved choices (see _image)
     REMOTE_CONFIG = PurePosixPath(os.environ["DEPLOY_RUN_CONFIG"])
     RUN_CONFIG = Path(REMOTE_CONFIG)
-    PLAN = ModalDeploy.model_validate_json(os.environ["DEPLOY_MODAL_PLAN"])
+    SECTION = ModalDeploy.model_validate_json(os.environ["DEPLOY_MODAL_SECTION"])
 
 CONFIG = load_run_config(RUN_CONFIG)
-APP_NAME = PLAN.app_name or f"tandem-{CONFIG.name}"
+APP_NAME = SECTION.app_name or f"tandem-{CONFIG.name}"
 
 app = modal.App(APP_NAME)
-runs = modal.Volume.from_name(PLAN.volume, create_if_missing=True)
+runs = modal.Volume.from_name(SECTION.volume, create_if_missing=True)
 VOLUMES = {RUN_DIR: runs}
 
 
@@ -90,20 +90,20 @@ def _image(role: str) -> modal.Image:
     return (
         modal.Image.debian_slim(python_version="3.11")
         .uv_pip_install(*IMAGE_PACKAGES[role])
-        .env({"DEPLOY_RUN_CONFIG": str(REMOTE_CONFIG), "DEPLOY_MODAL_PLAN": PLAN.model_dump_json()})
+        .env({"DEPLOY_RUN_CONFIG": str(REMOTE_CONFIG), "DEPLOY_MODAL_SECTION": SECTION.model_dump_json()})
         .add_local_python_source(*SOURCES)
         .add_local_dir(RUN_CONFIG.parent, str(REMOTE_CONFIG.parent))
     )
 
 
 def _secrets(role: str) -> list[modal.Secret]:
-    return [modal.Secret.from_name(PLAN.secret, required_keys=["TANDEM_TOKEN", "REDIS_URL"]),
-            modal.Secret.from_dict(role_env(PLAN, role))]
+    return [modal.Secret.from_name(SECTION.secret, required_keys=["TANDEM_TOKEN", "REDIS_URL"]),
+            modal.Secret.from_dict(role_env(SECTION, role))]
 
 
 def _options(role: str) -> dict:
     """Everything ``@app.function`` / ``@app.cls`` gets for ``role``."""
-    return {**role_options(PLAN, role), "image": _image(role), "volumes": VOLUMES,
+    return {**role_options(SECTION, role), "image": _image(role), "volumes": VOLUMES,
             "secrets": _secrets(role)}
 
 
@@ -119,7 +119,7 @@ def _settings(cls):
 
 
 @app.function(**_options("control"))
-@modal.concurrent(max_inputs=PLAN.control.concurrency)
+@modal.concurrent(max_inputs=SECTION.control.concurrency)
 @modal.asgi_app(label=f"{APP_NAME}-control")
 def control():
     """The control plane: REST API and dashboard."""
@@ -130,7 +130,7 @@ def control():
 
 
 @app.function(**_options("reward"))
-@modal.concurrent(max_inputs=PLAN.reward.concurrency)
+@modal.concurrent(max_inputs=SECTION.reward.concurrency)
 @modal.asgi_app(label=f"{APP_NAME}-reward")
 def reward():
     """The reward server; code runs in Modal Sandboxes (``TANDEM_REWARD_SANDBOX=modal``)."""
@@ -141,11 +141,11 @@ def reward():
 
 
 @app.cls(**_options("rollout"))
-@modal.concurrent(max_inputs=PLAN.rollout.concurrency)
+@modal.concurrent(max_inputs=SECTION.rollout.concurrency)
 class Rollout:
     """One rollout server (vLLM engine + actor loop) per container."""
 
-    @modal.web_server(PLAN.rollout_port, startup_timeout=PLAN.rollout_startup_timeout_s,
+    @modal.web_server(SECTION.rollout_port, startup_timeout=SECTION.rollout_startup_timeout_s,
                       label=f"{APP_NAME}-rollout")
     def serve(self):
         launch.start(launch.serve_argv("rollout", REMOTE_CONFIG), _rollout_env())
@@ -162,12 +162,12 @@ def _clustered(nodes: int):
 
 
 @app.function(**_options("learner"))
-@_clustered(PLAN.learner.nodes)
+@_clustered(SECTION.learner.nodes)
 def learner():
     """The learner job: every rank of ``nodes`` × GPUs under torchrun (rank 0 publishes weights)."""
-    nodes, rank, master = PLAN.learner.nodes, 0, None
+    nodes, rank, master = SECTION.learner.nodes, 0, None
     if nodes > 1:
         cluster = modal.Cluster.from_context()
         rank, master = cluster.container_rank(), cluster.container_ips()[0]
     launch.run(launch.torchrun_argv(nodes=nodes, node_rank=rank, master_addr=master,
-                                    nproc_per_node=gpu_count(PLAN.learner.gpu), config=REMOTE_CONFIG))
+                                    nproc_per_node=gpu_count(SECTION.learner.gpu), config=REMOTE_CONFIG))

@@ -147,7 +147,7 @@ def test_importing_the_module_defines_the_whole_app_offline():
 def test_each_function_gets_the_options_of_its_deploy_section(monkeypatch, tmp_path, deploy_toml):
     module, spy = load_app(monkeypatch, tmp_path, deploy_toml)
     plan = ModalDeploy() if deploy_toml is None else ModalDeploy.model_validate(tomllib.loads(deploy_toml)["modal"])
-    assert module.PLAN == plan
+    assert module.SECTION == plan
     assert module.app.name == (plan.app_name or "tandem-arith")
     recorded = {role: spy.calls[id(getattr(module, "Rollout" if role == "rollout" else role))]
                 for role in ("control", "rollout", "reward", "learner")}
