@@ -4,7 +4,8 @@
 
 For each recorded run (model shape, micro-batch, ZeRO stage, one GPU) it
 builds the same architecture as a preset, asks ``services.plan`` for the
-learner's share (weights + gradients + optimizer + activations; the rollout
+learner's share (``Plan.learner``: weights + gradients + optimizer + the larger
+of the activations and the optimizer step's transients; the rollout
 engine and the runtime allowance are left out, since bench/gpu.py runs no
 engine and ``torch.cuda.max_memory_allocated`` counts tensors only) and
 prints predicted against measured, side by side. tests/unit/test_plan.py
@@ -47,8 +48,7 @@ def compare(report: dict) -> list[dict]:
     for run in report["learner"]:
         p = plan(preset, "full", "1xH200", group_size=seqs_per_micro_batch, max_tokens=seq,
                  zero_stage=run["zero_stage"], checkpointing=batch["checkpointing"])
-        activations = p.activations_checkpointed if batch["checkpointing"] else p.activations_full
-        predicted = p.weights + p.gradients + p.optimizer + activations
+        predicted = p.learner
         rows.append({"zero_stage": run["zero_stage"], "micro_batch_tokens": seqs_per_micro_batch * seq,
                      "predicted_gb": predicted, "measured_gb": run["peak_memory_gib"] * GIB / 1e9})
     return rows
@@ -63,7 +63,8 @@ def main() -> None:
             print(f"{f.stem:28} {r['zero_stage']:>4} {r['micro_batch_tokens']:>11} {r['predicted_gb']:>12.1f} "
                   f"{r['measured_gb']:>11.1f} {r['predicted_gb'] / r['measured_gb']:>6.2f}")
     print(f"(hardware: {json.loads(files[0].read_text())['hardware'].get('gpu', 'cpu')}; "
-          "predicted = learner weights + gradients + optimizer + activations, from services/plan.py)")
+          "predicted = Plan.learner: weights + gradients + optimizer + the larger of activations and "
+          "the optimizer step, from services/plan.py)")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ EXTRA_PACKAGES = {
     "gpu": ["vllm==0.32.0"],
     "learner": ["deepspeed==0.19.8", "transformers>=4.56,<5.20", "peft>=0.17", "safetensors>=0.4",
                 "tokenizers>=0.21"],
-    "reward": ["math-verify[antlr4_13_2]==0.9.0", "pebble==5.2.3"],
+    "reward": ["math-verify[antlr4_13_2]==0.9.0", "pebble==5.2.3", "regex>=2024.11.6"],
     "modal": ["modal==1.6.4"],
 }
 TORCH = "torch==2.13.0"
@@ -67,10 +67,11 @@ TORCH = "torch==2.13.0"
 IMAGE_PACKAGES = {
     "control": CORE_PACKAGES,
     "reward": CORE_PACKAGES + EXTRA_PACKAGES["reward"] + EXTRA_PACKAGES["modal"],
-    "rollout": CORE_PACKAGES + EXTRA_PACKAGES["gpu"],
-    "learner": CORE_PACKAGES + [TORCH] + EXTRA_PACKAGES["learner"],
+    "rollout": CORE_PACKAGES + EXTRA_PACKAGES["gpu"] + EXTRA_PACKAGES["modal"],
+    "learner": CORE_PACKAGES + [TORCH] + EXTRA_PACKAGES["learner"] + EXTRA_PACKAGES["modal"],
 }
-"""pip packages of each role's image: the reward server needs modal for its sandbox backend."""
+"""pip packages of each role's image: the reward server needs modal for its sandbox backend, the
+rollout servers and the learner for reloading and committing the weights volume."""
 
 
 class RoleDeploy(BaseModel):
@@ -187,6 +188,8 @@ def role_options(plan: ModalDeploy, role: str) -> dict:
 def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
     """Environment each role's containers get beyond the secret (all read by settings classes)."""
     env = {"TANDEM_RUN_DIR": RUN_DIR}
+    if role in ("rollout", "learner"):
+        env["TANDEM_RUN_DIR_VOLUME"] = plan.volume  # commit after a version is written, reload before read
     if role == "reward":
         env["TANDEM_REWARD_SANDBOX"] = "modal"
     if role == "rollout":

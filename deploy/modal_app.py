@@ -16,6 +16,16 @@ checks the names each entrypoint calls. Redis is external: the Secret
 Weights, checkpoints and models live in the Volume ``tandem-runs``, mounted
 at ``/runs`` (``TANDEM_RUN_DIR``) in every container; the run config is shipped
 at its repository path under ``/``, so its ``../../runs/...`` paths land there.
+The learner commits the Volume after writing each weight version and before
+announcing it; a rollout server reloads it before reading one
+(``TANDEM_RUN_DIR_VOLUME``, ``services.weightstore.commit_volume`` /
+``reload_volume``).
+
+Redis is not run inside the app: a container is reachable by others only
+over i6pn within one region and must be discovered through a ``modal.Dict``,
+and it is restarted at the 24 h timeout or on preemption (MODAL-NOTES
+section 5). An external managed Redis (TLS, password) is the one supported
+choice.
 
 Rollout containers and the work: the actor loop *pulls* prompt groups from
 Redis, so Modal's request-driven autoscaler does not see it. The actor fleet is

@@ -298,6 +298,8 @@ class Trainer:
         tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
         written = store.write_version(self.paths.weights, version, tensors, step=self.step, replace=True, **layout)
+        if self.settings.run_dir_volume:  # other containers see the version only once committed
+            await asyncio.to_thread(store.commit_volume, self.settings.run_dir_volume)
         await self.registry.publish(
             WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
                           created_at=time.time(), bytes=written.bytes)

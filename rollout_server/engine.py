@@ -63,7 +63,7 @@ from rollout_server.transports import (
     WeightLoadError,
     WeightTransport,
 )
-from services.weightstore import checkpoint_signature
+from services.weightstore import checkpoint_signature, reload_volume
 from services.wire import LoadWeights, Sample, WeightsStatus
 
 log = logging.getLogger("tandem.rollout")
@@ -140,8 +140,10 @@ class Engine:
         logprobs_mode: str,
         version: int = 0,
         uri: str | None = None,
+        volume: str | None = None,
     ) -> None:
         self.llm = llm
+        self.volume = volume  # a Modal Volume to reload before reading a version (TANDEM_RUN_DIR_VOLUME)
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -223,6 +225,7 @@ class Engine:
                 metrics=metrics,
                 logprobs_mode=settings.logprobs_mode,
                 version=version,
+                volume=settings.run_dir_volume,
             )
             await engine._load_tokenizer()
         except BaseException:
@@ -408,6 +411,8 @@ class Engine:
             t0 = time.monotonic()
             transport = self._transport(request.uri)
             try:
+                if self.volume:
+                    await asyncio.to_thread(self._reload_volume)
                 prepared = await transport.prepare(request)
             except WeightLoadError:
                 self.metrics.reloads.labels("refused").inc()
@@ -421,6 +426,12 @@ class Engine:
                 request.version, request.uri, self.reload_s, prepared.bytes / 1e6,
             )
             return self.status()
+
+    def _reload_volume(self) -> None:
+        try:
+            reload_volume(self.volume)
+        except Exception as e:  # Modal refuses while files are open, or cannot be reached
+            raise WeightLoadError(503, f"cannot reload volume {self.volume!r}: {e}") from e
 
     async def reset_to_base(self) -> WeightsStatus:
         """Serve the model directory's own weights again, as version 0 (a new run starts from them).

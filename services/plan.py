@@ -46,6 +46,28 @@ ZeRO stage z:
   counted at full length, an upper bound for OLMo 3's sliding-window layers
   past 4096 tokens.
 - runtime: 2 GB for two CUDA contexts, NCCL buffers and vLLM's graphs.
+
+``dtype_bytes`` (default 2) is the learner's precision: 2 for bf16 (every
+GPU figure above), 4 for fp32 (``learner.precision = "fp32"``, the default
+on CPU, where ``bench/plan_cpu.py`` measures the planner). It scales the
+learner's weights, gradients, activations and reference copy (activations:
+the 16-bit figures above times ``dtype_bytes / 2``; the fp32 logits term is
+already fp32); the rollout engine stays bf16. An fp32 learner at z = 0 has
+no master copy (DeepSpeed hands the torch AdamW the fp32 weights
+themselves), so its optimizer is m + v, 8 bytes x T; at z >= 1 ZeRO clones
+the fp32 partition all the same, so K stays 12.
+
+The optimizer step's transients: at z >= 1 (no offload) an fp32 copy of
+the gradient partition and Adam's ``sqrt(v) + eps``, 8 bytes x T / N, live
+after the activations are freed; the learner's peak takes the larger of the
+two (``bench/plan_cpu.py`` measured the peak inside the step wherever
+checkpointed activations were the smaller).
+
+Not counted: DeepSpeed's gradient reduce bucket. At z >= 1 its ZeRO
+optimizer allocates one bucket of ``reduce_bucket_size`` (5e8 by default)
+elements in the gradients' dtype (1 GB in bf16) per GPU, whatever the
+model's size; it comes out of the runtime allowance and the headroom
+(``bench/plan_cpu.py`` measures it and sets it apart).
 """
 
 from __future__ import annotations
@@ -115,6 +137,7 @@ class Plan(BaseModel):
     optimizer: float
     activations_checkpointed: float
     activations_full: float
+    optimizer_step: float
     reference: float
     rollout_weights: float
     kv_cache: float
@@ -125,9 +148,15 @@ class Plan(BaseModel):
         return self.activations_checkpointed if self.checkpointing else self.activations_full
 
     @property
+    def learner(self) -> float:
+        """The learner's peak: its state plus the larger of the activations and the optimizer step's
+        transients (the step runs after the activations are freed)."""
+        return (self.weights + self.gradients + self.optimizer + max(self.activations, self.optimizer_step)
+                + self.reference)
+
+    @property
     def total(self) -> float:
-        return (self.weights + self.gradients + self.optimizer + self.activations + self.reference
-                + self.rollout_weights + self.kv_cache + self.runtime)
+        return self.learner + self.rollout_weights + self.kv_cache + self.runtime
 
     @property
     def budget(self) -> float:
@@ -177,8 +206,10 @@ def plan(
     beta: float = 0.0,
     groups_in_flight: int = 2,
     lora_rank: int = 8,
+    dtype_bytes: int = 2,
 ) -> Plan:
-    """Per-GPU memory of a GRPO run (formulas in the module docstring)."""
+    """Per-GPU memory of a GRPO run (formulas in the module docstring); ``dtype_bytes`` is the
+    learner's precision, 2 (bf16) or 4 (fp32)."""
     if mode not in set(Mode):
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(Mode)}")
     mode = Mode(mode)
@@ -190,28 +221,35 @@ def plan(
         raise ValueError("offload needs ZeRO stage 1 or more (the optimizer state is what moves to CPU)")
     if group_size < 1 or max_tokens < 1 or groups_in_flight < 1:
         raise ValueError("group_size, max_tokens and groups_in_flight must be positive")
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), not {dtype_bytes}")
+    widen = dtype_bytes / 2  # the learner's tensors against the bf16 figures
 
     trainable = p.params if mode is Mode.full else lora_params(p, lora_rank)
     base = base_bytes(p, mode)
+    # QLoRA's base is NF4 with bf16 embeddings whatever the adapter's precision
+    learner_base, emb_bytes = (base, 2) if mode is Mode.qlora else (base * widen, dtype_bytes)
     if z == 3 and offload:
-        per_layer = (base - p.embedding_params * 2) / p.layers
+        per_layer = (learner_base - p.embedding_params * emb_bytes) / p.layers
         weights = 2 * per_layer
     else:
-        weights = base / n if z == 3 else base
+        weights = learner_base / n if z == 3 else learner_base
     if mode is not Mode.full:
-        weights += 2 * trainable
-    gradients = 2 * trainable / (n if z >= 2 else 1)
-    optimizer = 0.0 if offload else 12 * trainable / (n if z >= 1 else 1)
+        weights += dtype_bytes * trainable
+    gradients = dtype_bytes * trainable / (n if z >= 2 else 1)
+    adam = 8 if dtype_bytes == 4 and z == 0 else 12  # no master copy of weights already fp32
+    optimizer = 0.0 if offload else adam * trainable / (n if z >= 1 else 1)
+    step = 0.0 if offload or z == 0 else 8 * trainable / n
 
     t, s, h, a = group_size * max_tokens, max_tokens, p.hidden, p.layers
-    layer = 34 * h + 5 * p.heads * s
+    layer = (34 * h + 5 * p.heads * s) * widen
     logits = LOGIT_BYTES * t * p.vocab
     act_full = t * a * layer + logits
-    act_ckpt = t * (2 * h * a + layer) + logits
+    act_ckpt = t * (dtype_bytes * h * a + layer) + logits
 
     reference = 0.0
     if beta > 0 and mode is Mode.full:
-        reference = base / n if z == 3 else base
+        reference = learner_base / n if z == 3 else learner_base
 
     kv_per_token = 2 * a * p.kv_heads * p.head_dim * 2
     kv = kv_per_token * groups_in_flight * group_size * max_tokens / n
@@ -221,7 +259,8 @@ def plan(
         offload=offload, checkpointing=checkpointing, group_size=group_size, max_tokens=max_tokens,
         groups_in_flight=groups_in_flight, beta=beta,
         weights=weights / GB, gradients=gradients / GB, optimizer=optimizer / GB,
-        activations_checkpointed=act_ckpt / GB, activations_full=act_full / GB, reference=reference / GB,
+        activations_checkpointed=act_ckpt / GB, activations_full=act_full / GB, optimizer_step=step / GB,
+        reference=reference / GB,
         rollout_weights=base / n / GB, kv_cache=kv / GB, runtime=RUNTIME_GB,
     )
 

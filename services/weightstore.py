@@ -122,6 +122,31 @@ def clean_temp(root: str | Path) -> int:
     return n
 
 
+# -- a shared volume under the root -----------------------------------------------------
+#
+# On Modal the run directory is a Volume mounted in every container; a container
+# sees another's writes only after the writer commits and the reader reloads
+# (MODAL-NOTES section 4). The learner commits between writing a version and
+# registering it; a rollout server reloads before reading one. ``modal`` is
+# imported only here, and only when a volume is named (TANDEM_RUN_DIR_VOLUME).
+
+
+def commit_volume(name: str) -> None:
+    """Persist this container's writes to the mounted Modal Volume ``name`` (blocks; seconds per GB)."""
+    import modal
+
+    modal.Volume.from_name(name).commit()
+
+
+def reload_volume(name: str) -> None:
+    """Make the latest commit of the mounted Modal Volume ``name`` visible here. Modal refuses while
+    files of the volume are open; the error is raised to the caller, which refuses the version (and
+    the follower offers it again)."""
+    import modal
+
+    modal.Volume.from_name(name).reload()
+
+
 # -- the checksum -----------------------------------------------------------------------
 
 

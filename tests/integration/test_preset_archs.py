@@ -18,7 +18,11 @@ it (``examples.tiny.tiny_qwen3``, ``tests.fixtures.rollout.tiny_arch``):
 MoE and ZeRO-3: ZeRO-3 partitions every parameter, each expert's included,
 evenly across the data-parallel ranks and gathers a module's parameters
 when it runs; there is no expert parallelism (no rank owns whole experts,
-no all-to-all of tokens). Only one rank runs here. The MoE case caught the
+no all-to-all of tokens). transformers 5 holds a layer's experts as fused
+parameters of one module, which ZeRO-3 gathers whole when the layer runs,
+so no ZeRO-3 leaf modules are needed: a 2-rank ZeRO-3 run of the MoE model
+makes the same update as one rank (``test_moe_experts_shard_over_two_zero3_ranks``).
+The MoE case caught the
 learner publishing transformers 5's fused in-memory expert tensors, which vLLM
 refused; ``Engine.full_state_dict`` now reverts them to the checkpoint layout,
 vLLM loads the version and generates with it, but its log-probs stay up to
@@ -150,3 +154,28 @@ async def test_other_class_trains_and_serves(kind, tmp_path):
         await train_publish_serve(engine, model, kind, 1, tmp_path)
     finally:
         engine.shutdown()
+
+
+def test_moe_experts_shard_over_two_zero3_ranks(tmp_path):
+    """Qwen3-MoE on 2 ranks under ZeRO-3: each rank holds half of every expert tensor (transformers 5
+    keeps a layer's experts as fused parameters of one module, gathered whole when the layer runs,
+    so ranks routing their tokens to different experts still gather the same parameters: no hang,
+    no ZeRO-3 leaf modules needed) and the update equals one rank's."""
+    from safetensors.torch import load_file
+
+    from tests.fixtures.rollout import tiny_arch
+
+    model = tiny_arch("qwen3_moe", tmp_path / "moe")
+    plan = [{"name": "moe3", "stage": 3, "steps": 2, "overrides": {"learner": {"lr": 1e-2}}}]
+    one = run_selfcheck(model, [dict(p) for p in plan], tmp_path / "one")["moe3"]
+    two = run_selfcheck(model, [dict(p) for p in plan], tmp_path / "two", nproc=2, timeout_s=300)["moe3"]
+    s1, s2 = (json.loads(p.with_name(p.name + ".json").read_text()) for p in (one, two))
+    assert s2["world"] == 2
+    assert [x["grad_norm"] for x in s2["stats"]] == pytest.approx([x["grad_norm"] for x in s1["stats"]], rel=1e-4)
+    assert [x["loss"] for x in s2["stats"]] == pytest.approx([x["loss"] for x in s1["stats"]], abs=1e-6)
+    initial = load_file(model / "model.safetensors")
+    a, b = load_file(one), load_file(two)
+    assert any("experts" in k for k in a)
+    diff = sum(float(((a[k].double() - b[k].double()) ** 2).sum()) for k in a) ** 0.5
+    step = sum(float(((a[k].double() - initial[k].double()) ** 2).sum()) for k in a if k in initial) ** 0.5
+    assert diff / step < 1e-3

@@ -27,6 +27,7 @@ from deploy import launch
 from deploy.config import (
     CORE_PACKAGES,
     EXTRA_PACKAGES,
+    IMAGE_PACKAGES,
     ModalDeploy,
     RoleDeploy,
     load_deploy,
@@ -176,6 +177,10 @@ def test_each_function_gets_the_options_of_its_deploy_section(monkeypatch, tmp_p
     assert set(info(module, "rollout").method_details) == {"serve"}
     assert role_env(plan, "rollout")["TANDEM_PORT"] == str(plan.rollout_port)
     assert role_env(plan, "reward")["TANDEM_REWARD_SANDBOX"] == "modal"
+    # the learner commits the weights volume after a version, rollout servers reload it before one
+    for role in ("rollout", "learner"):
+        assert role_env(plan, role)["TANDEM_RUN_DIR_VOLUME"] == plan.volume, role
+        assert "modal==1.6.4" in IMAGE_PACKAGES[role], role
 
 
 def test_every_secret_requires_the_token_and_redis(monkeypatch, tmp_path):
