@@ -15,7 +15,7 @@ EXTRAS := cpu,learner,reward,report,modal
 # make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
 SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_rollout_models \
-	test_learner_engine test_learner_service test_learner_vllm test_dashboard test_bench_gpu
+	test_learner_engine test_learner_service test_learner_vllm test_dashboard test_bench_gpu test_volume_sync
 FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
 
 .PHONY: run test test-fast bench lint clean

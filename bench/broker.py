@@ -105,7 +105,7 @@ def _consumer(url: str, worker: int, total: int, start: mp.Event, done: mp.Value
     asyncio.run(main())
 
 
-def raw_xadd(port: int, size: int, n: int, clients: int) -> float:
+def raw_xadd(port: int, password: str, size: int, n: int, clients: int) -> float:
     """redis-benchmark XADD rate (requests/s) with ``size``-byte payloads.
 
     redis-benchmark substitutes no data into a custom command, so the payload
@@ -115,7 +115,7 @@ def raw_xadd(port: int, size: int, n: int, clients: int) -> float:
         raise SystemExit(f"payload of {size} bytes is over the 128 KiB argument limit of redis-benchmark")
     payload = "".join(random.Random(size).choice("abcdefghijklmnop") for _ in range(size))
     out = subprocess.run(
-        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-n", str(n), "-c", str(clients),
+        ["redis-benchmark", "-h", "127.0.0.1", "-p", str(port), "-a", password, "-n", str(n), "-c", str(clients),
          "-q", "XADD", "bench:raw", "*", "p", payload],
         capture_output=True, text=True, check=True,
     ).stdout
@@ -162,9 +162,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis(Path(tmp) / "redis") as server:
         asyncio.run(setup(server.url))
         conns = args.producers + args.consumers
-        raw_same = raw_xadd(server.port, size, args.groups, conns)
+        raw_same = raw_xadd(server.port, server.password, size, args.groups, conns)
         asyncio.run(check_raw_payload(server.url, size))
-        raw_50 = raw_xadd(server.port, size, args.groups, 50)
+        raw_50 = raw_xadd(server.port, server.password, size, args.groups, 50)
         asyncio.run(check_raw_payload(server.url, size))
 
         ctx = mp.get_context("spawn")

@@ -76,13 +76,12 @@ async def naive_runsc(ex: Execution) -> bool:
     work = tempfile.mkdtemp(prefix="bench-naive-")
     try:
         Path(work, "solution.py").write_text(ex.program)
-        Path(work, "tests.json").write_text(json.dumps(ex.tests))
         proc = await asyncio.create_subprocess_exec(
             "runsc", "--network=none", "do", sys_python(), "-I", str(GUEST_DIR / "harness.py"),
-            "solution.py", "tests.json", "1", cwd=work,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            "solution.py", repr(float(LIMITS.wall_s)), "1", cwd=work,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
         )
-        out, _ = await asyncio.wait_for(proc.communicate(), LIMITS.wall_s + 10)
+        out, _ = await asyncio.wait_for(proc.communicate(json.dumps(ex.tests).encode()), LIMITS.wall_s + 10)
         verdicts = [json.loads(x) for x in out.decode().splitlines() if x.startswith('{"i"')]
         return len(verdicts) == len(ex.tests) and all(v["ok"] for v in verdicts)
     finally:

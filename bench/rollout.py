@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -94,10 +95,16 @@ async def _tandem_round(client, prompt_ids, n, max_tokens) -> tuple[int, float]:
     return tokens, dt
 
 
-def start_server(model: Path, port: int, token: str, log: Path) -> subprocess.Popen:
+BENCH_RUN = "bench-rollout"
+"""The run whose weight registry lists the versions the benchmark loads (``/v1/weights`` loads
+only published versions under ``TANDEM_RUN_DIR``)."""
+
+
+def start_server(model: Path, port: int, token: str, log: Path, redis_url: str, run_dir: Path) -> subprocess.Popen:
     env = {
         **os.environ, "TANDEM_TOKEN": token, "TANDEM_ROLLOUT_KV_CACHE_GIB": "1", "TANDEM_ROLLOUT_DTYPE": "float32",
-        "TANDEM_LOG_LEVEL": "warning",
+        "TANDEM_LOG_LEVEL": "warning", "REDIS_URL": redis_url, "TANDEM_RUN_ID": BENCH_RUN,
+        "TANDEM_RUN_DIR": str(run_dir),
     }
     with open(log, "wb") as out:
         return subprocess.Popen(
@@ -106,22 +113,29 @@ def start_server(model: Path, port: int, token: str, log: Path) -> subprocess.Po
         )
 
 
-async def bench_tandem(url: str, token: str, prompt_ids, n, max_tokens, repeats, versions: list[tuple[int, Path]]):
+async def bench_tandem(url: str, token: str, prompt_ids, n, max_tokens, repeats, versions: list[tuple[int, Path]],
+                       redis_url: str):
     import httpx
 
+    from broker import Keys, WeightRegistry, WeightVersion, connect
     from services.weightstore import digest
 
+    redis = connect(redis_url)
+    registry = WeightRegistry(redis, Keys(BENCH_RUN))
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=600) as c:
         await _tandem_round(c, prompt_ids, n, max_tokens)  # warm-up
         runs = [await _tandem_round(c, prompt_ids, n, max_tokens) for _ in range(repeats)]
         reloads = []
         for version, d in versions:
             sha = digest(d)
+            await registry.publish(WeightVersion(version=version, uri=str(d.resolve()), sha256=sha,
+                                                 created_at=time.time()))
             t0 = time.perf_counter()
             r = await c.post("/v1/weights", json={"version": version, "uri": d.as_uri(), "sha256": sha})
             wall = time.perf_counter() - t0
             r.raise_for_status()
             reloads.append((wall, r.json()["reload_s"]))
+    await redis.aclose()
     return max(runs, key=lambda r: r[0] / r[1]), reloads
 
 
@@ -164,6 +178,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None, help="keep the model here (default: a temp dir)")
     args = ap.parse_args()
 
+    from broker.embedded import EmbeddedRedis
     from broker.processes import free_port, stop_group
     from examples.tiny import char_tokenizer, parameter_count
     from services.supervisor import wait_healthy
@@ -192,15 +207,15 @@ def main() -> None:
     a = bench_vllm(model, prompt_ids, args.samples, args.max_tokens, args.repeats)
     print(f"(a) done: {a[0]} tokens in {a[1]:.2f}s", flush=True)
 
-    port, token = free_port(), "bench-token"
-    proc = start_server(model, port, token, work / "server.log")
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", 300, work / "server.log")
-        b, reloads = asyncio.run(
-            bench_tandem(f"http://127.0.0.1:{port}", token, prompt_ids, args.samples, args.max_tokens, args.repeats, versions)
-        )
-    finally:
-        stop_group(proc)
+    port, token = free_port(), secrets.token_urlsafe(24)
+    with EmbeddedRedis(Path(tempfile.mkdtemp(prefix="tandem-bench-redis-"))) as redis_server:
+        proc = start_server(model, port, token, work / "server.log", redis_server.url, work)
+        try:
+            wait_healthy(proc, f"http://127.0.0.1:{port}", 300, work / "server.log")
+            b, reloads = asyncio.run(bench_tandem(f"http://127.0.0.1:{port}", token, prompt_ids, args.samples,
+                                                  args.max_tokens, args.repeats, versions, redis_server.url))
+        finally:
+            stop_group(proc)
     print(f"(b) done: {b[0]} tokens in {b[1]:.2f}s", flush=True)
 
     c = bench_hf(model, prompt_ids, args.samples, args.max_tokens, args.repeats, args.hf_threads)

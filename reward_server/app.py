@@ -5,7 +5,8 @@ may call ``/v1/execute`` to run a program in the sandbox. Both go through the
 bounded execution queue (429 + Retry-After when full). Without a usable
 sandbox, code execution is refused (503 on ``/v1/execute``,
 ``sandbox_error`` items in ``/v1/score``) unless ``unsafe_local`` is set;
-the choice is logged at start-up.
+the choice is logged at start-up. Client-supplied limits above the server's
+ceilings (``max_*`` settings) are refused with 422 naming the field.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, FastAPI, Request
 from prometheus_client import CollectorRegistry
 
-from reward_server.execution import ExecQueue
+from reward_server.execution import ExecQueue, ceilings_of, refuse_over_ceilings, spec_limits
 from reward_server.sandbox import choose
 from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, python_run
 from reward_server.settings import RewardSettings
@@ -38,6 +39,8 @@ def _scorer(request: Request) -> Scorer:
 @router.post("/v1/score", response_model=ScoreResponse)
 async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     scorer = _scorer(request)
+    specs = (found for i, item in enumerate(body.items) for found in spec_limits(item.spec, f"items.{i}.spec"))
+    refuse_over_ceilings(specs, scorer.queue.ceilings)
     with scorer.queue.reserve(sum(sandbox_jobs(i.spec) for i in body.items)):
         return ScoreResponse(results=await scorer.score_all(body.items))
 
@@ -48,6 +51,7 @@ async def execute(body: ExecuteRequest, request: Request) -> ExecuteResult:
     if queue.sandbox is None:
         raise ServiceError(503, f"code execution is disabled: {queue.why_no_sandbox}; "
                                 "set unsafe_local = true to run code without a sandbox")
+    refuse_over_ceilings(iter([("limits", body.limits)]), queue.ceilings)
     files = {**body.files, "main.py": body.code}
     with queue.reserve(1):
         try:
@@ -78,11 +82,11 @@ def build_app(settings: RewardSettings, config=None) -> FastAPI:
         else:
             log.info("reward server: code runs in %s", what)
         queue = ExecQueue(sandbox, workers=settings.effective_workers, max_queued=settings.effective_max_queued,
-                          registry=registry, why_no_sandbox=what if sandbox is None else "")
+                          registry=registry, why_no_sandbox=what if sandbox is None else "",
+                          ceilings=ceilings_of(settings))
         math = MathVerifier(workers=settings.math_workers, timeout_s=settings.math_timeout_s)
-        key = settings.judge_api_key.get_secret_value() if settings.judge_api_key else None
-        judge = Judge(settings.judge_url, key, settings.judge_timeout_s)
-        app.state.scorer = Scorer(queue, math, judge, registry)
+        judge = Judge.from_settings(settings)
+        app.state.scorer = Scorer(queue, math, judge, registry, regex_timeout_s=settings.regex_timeout_s)
         app.state.sandbox_description = what
         if sandbox is not None:
             await sandbox.start()

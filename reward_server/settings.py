@@ -40,7 +40,15 @@ class RewardSettings(CommonSettings):
     judge_api_key: SecretStr | None = None
     """Bearer token for the judge endpoint."""
     judge_timeout_s: float = Field(default=60.0, gt=0)
-    """Per-request timeout of judge calls."""
+    """Per-request timeout of judge calls (the whole call: connect, send, reply)."""
+    judge_allowed_urls: list[str] = Field(default_factory=list)
+    """Judge base URLs a prompt set's judge spec may name as its ``url`` (TANDEM_REWARD_JUDGE_ALLOWED_URLS,
+    JSON list, compared exactly up to a trailing slash). Empty (the default): specs may not name one and
+    /v1/score answers 422. They never get the judge API key, which only goes to judge_url."""
+    judge_max_reply_bytes: int = Field(default=1 << 20, ge=1024)
+    """Judge replies longer than this are abandoned unread (judge_error)."""
+    regex_timeout_s: float = Field(default=1.0, gt=0, le=60)
+    """Longest one prompt-set regex (a regex spec's pattern, a judge spec's score_pattern) may match."""
     modal_app: str = "tandem-reward"
     """Modal app the sandboxes belong to (created if missing)."""
     modal_pool: int = Field(default=4, ge=1)
@@ -51,6 +59,23 @@ class RewardSettings(CommonSettings):
     """Memory per Modal sandbox."""
     modal_spawns_per_s: float = Field(default=2.0, gt=0)
     """Creation rate limit for Modal sandboxes."""
+    max_wall_s: float = Field(default=60.0, gt=0)
+    """Ceiling on a request's ``limits.wall_s`` (limits come from untrusted prompt sets; above it: 422)."""
+    max_cpu_s: float = Field(default=60.0, gt=0)
+    """Ceiling on ``limits.cpu_s``."""
+    max_memory_mb: int = Field(default=2048, ge=16)
+    """Ceiling on ``limits.memory_mb``; also sizes each gVisor sandbox's host cgroup."""
+    max_processes: int = Field(default=256, ge=1)
+    """Ceiling on ``limits.processes``."""
+    max_output_bytes: int = Field(default=16 << 20, ge=1024)
+    """Ceiling on ``limits.output_bytes``."""
+    max_file_bytes: int = Field(default=256 << 20, ge=1024)
+    """Ceiling on ``limits.file_bytes``."""
+    sandbox_cpus: float = Field(default=1.0, gt=0)
+    """CPU cores one job (bubblewrap) or one warm sandbox (gVisor) may use at once (cgroup CPU quota)."""
+    cgroups: bool = True
+    """Cap each job's memory, processes and CPU with a host cgroup when this host allows it (root or a
+    delegated subtree); false = per-process rlimits only. Whether cgroups are in use is logged at start-up."""
 
     @property
     def effective_workers(self) -> int:

@@ -6,17 +6,34 @@ Errors map to HTTP in one place each: a request the engine cannot serve is a
 flight, a dead engine, or a reload that is draining too long are 503 with
 ``Retry-After``; a missing weight version is 404 and a corrupt one 422, and
 the old weights keep serving.
+
+``POST /v1/weights`` loads only what the learner published (the operator's
+token is needed, but a wrong or forged announcement must not be able to
+stall training by loading version 10^12, nor read files beyond the store):
+``sha256`` is required (422); the path, resolved, must lie under the weight
+store, the run directory (403, :func:`~rollout_server.transports.confine`);
+a version not newer than the one served is a no-op, as in the engine; any
+other must be in the run's weight registry in Redis with that very path and
+checksum (403 naming the field). The run is ``TANDEM_RUN_ID``, else the
+newest run in the registry (the one the stack serves, or just finished).
+Without Redis there is no registry and the route answers 409.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
+from redis.exceptions import RedisError
 
+from broker import Keys, WeightRegistry, WeightVersion, connect
 from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
 from rollout_server.settings import RolloutSettings
-from rollout_server.transports import WeightLoadError
+from rollout_server.transports import WeightLoadError, confine
+from services import weightstore
 from services.app import ServiceError
+from services.runs import RunStore
 from services.wire import GenerateRequest, GenerateResponse, LoadWeights, WeightsStatus
 
 router = APIRouter()
@@ -103,15 +120,58 @@ async def weights(request: Request) -> WeightsStatus:
     return _engine(request).status()
 
 
+async def published(settings: RolloutSettings, version: int) -> tuple[str, WeightVersion]:
+    """The run whose registry speaks for this server, and its record of ``version`` (403/409 otherwise)."""
+    if not settings.redis_url:
+        raise ServiceError(409, "version: this server has no weight registry (REDIS_URL unset); "
+                                "it loads only versions a learner published there")
+    redis = connect(settings.redis_url)
+    try:
+        run_id = settings.run_id
+        if run_id is None:
+            newest = await RunStore(redis).list(1)
+            if not newest:
+                raise ServiceError(403, f"version: {version} was not published: the registry holds no run")
+            run_id = newest[0].run_id
+        registry = WeightRegistry(redis, Keys(run_id))
+        record = await registry.get(version)
+        if record is None:
+            raise ServiceError(403, f"version: {version} was not published in run {run_id} "
+                                    f"(newest published: {await registry.latest_version()})")
+        return run_id, record
+    except RedisError as e:
+        raise ServiceError(503, f"weight registry unavailable: {e}", retry_after=5) from e
+    finally:
+        await redis.aclose()
+
+
 @router.post(
     "/v1/weights",
     response_model=WeightsStatus,
-    responses={404: {"description": "no weights at uri"}, 422: {"description": "corrupt or unfit weights"}},
+    responses={403: {"description": "outside the weight store, or not published; detail names the field"},
+               404: {"description": "no weights at uri"}, 409: {"description": "no weight registry"},
+               422: {"description": "sha256 missing, or corrupt or unfit weights"}},
 )
 async def load_weights(body: LoadWeights, request: Request) -> WeightsStatus:
+    settings: RolloutSettings = request.app.state.settings
     engine = _engine(request)
+    if body.sha256 is None:
+        raise invalid("sha256", "required: the checksum the learner published with this version")
     try:
-        return await engine.load_weights(body)
+        path = confine(body.uri, Path(settings.run_dir))
+    except WeightLoadError as e:
+        raise ServiceError(e.status, e.message) from e
+    if body.version <= engine.version:
+        return engine.status()  # not newer: a no-op, as Engine.load_weights; nothing is read
+    run_id, record = await published(settings, body.version)
+    if weightstore.uri_to_path(record.uri).resolve() != path:
+        raise ServiceError(403, f"uri: version {body.version} of run {run_id} was published at {record.uri}, "
+                                f"not {body.uri}")
+    if record.sha256 != body.sha256:
+        raise ServiceError(403, f"sha256: {body.sha256} is not the checksum version {body.version} of run "
+                                f"{run_id} was published with")
+    try:
+        return await engine.load_weights(LoadWeights(version=body.version, uri=str(path), sha256=body.sha256))
     except WeightLoadError as e:
         raise ServiceError(e.status, e.message) from e
     except EngineDead as e:

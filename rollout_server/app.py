@@ -114,8 +114,7 @@ async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metr
     if not rs.redis_url:
         raise ValueError("the actor loop needs Redis: set REDIS_URL")
     redis = connect(rs.redis_url)
-    token = rs.token.get_secret_value() if rs.token else None
-    reward = RewardClient(rs.reward_url, token, timeout_s=rs.score_timeout_s)
+    reward = RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s)
     actor = Actor(
         eng,
         redis=redis,

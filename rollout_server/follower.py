@@ -36,8 +36,7 @@ async def follow_runs(
 ) -> None:
     """Serve active runs one after the other, until cancelled."""
     redis = connect(rs.redis_url)
-    token = rs.token.get_secret_value() if rs.token else None
-    reward = RewardClient(rs.reward_url, token, timeout_s=rs.score_timeout_s)
+    reward = RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s)
     runs = RunWatcher(RunStore(redis), poll_s=poll_s)
     try:
         async for run in runs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from services.settings import WorkerSettings, settings_config
 
@@ -25,6 +25,10 @@ class RolloutSettings(WorkerSettings):
     """Model directory to serve without a run config (`tandem serve rollout --model DIR`)."""
     reward_url: str = "http://127.0.0.1:8002"
     """Reward server the actor loop scores completions with."""
+    reward_token: SecretStr | None = None
+    """Bearer token the actor loop sends to the reward server (TANDEM_ROLLOUT_REWARD_TOKEN). Unset:
+    TANDEM_TOKEN. docker-compose gives the reward server, which runs untrusted code, a token of its
+    own that no other service accepts; this is how the rollout server gets it."""
 
     max_n: int = Field(default=256, ge=1)
     """Largest ``n`` one ``/v1/generate`` request may ask for (above: 422)."""
@@ -66,3 +70,9 @@ class RolloutSettings(WorkerSettings):
     """Per-attempt timeout of the reward server's ``POST /v1/score``."""
     fatal_grace_s: float = Field(default=2.0, ge=0)
     """After the engine dies, how long /healthz reports 503 before the process exits (non-zero)."""
+
+    @property
+    def reward_bearer(self) -> str | None:
+        """The token for the reward server: ``reward_token``, else ``token``."""
+        secret = self.reward_token or self.token
+        return secret.get_secret_value() if secret else None

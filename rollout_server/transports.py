@@ -21,12 +21,19 @@ and agree on the tensor list with the learner, ``apply`` would call
 the learner broadcasts. The actor loop and the HTTP API only ever call
 ``Engine.load_weights(LoadWeights)``, which picks the transport by URI
 scheme, so adding one touches neither.
+
+:func:`confine` is what ``POST /v1/weights`` asks before any of this: the
+path of a version named over HTTP, resolved, must lie under the weight
+store's root (the run directory), its weight files included, so a caller
+cannot make the engine read an arbitrary readable directory or a symlink out
+of the store.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from services import weightstore
@@ -58,6 +65,29 @@ class WeightTransport(Protocol):
     async def prepare(self, request: LoadWeights) -> Prepared: ...
 
     async def apply(self, llm: Any, prepared: Prepared) -> None: ...
+
+
+def confine(uri: str, root: Path) -> Path:
+    """The resolved path ``uri`` names, if it and its weight files lie under ``root`` (resolved).
+
+    Symlinks are followed before the check, so a link inside the store that
+    points out of it is refused; the caller loads the resolved path, not the
+    link. 422 for a URI that is not a local path, 403 for a path outside.
+    """
+    try:
+        path = weightstore.uri_to_path(uri)
+    except weightstore.WeightStoreError as e:
+        raise WeightLoadError(422, f"uri: {e}") from e
+    root = root.resolve()
+    resolved = path.resolve()
+    outside = [p for p in [resolved, *(resolved.glob(weightstore.WEIGHTS_GLOB) if resolved.is_dir() else [])]
+               if not p.resolve().is_relative_to(root)]
+    if outside:
+        raise WeightLoadError(
+            403, f"uri: {outside[0]} resolves to {outside[0].resolve()}, outside the weight store {root} "
+                 "(TANDEM_RUN_DIR); a rollout server loads only versions under it"
+        )
+    return resolved
 
 
 # -- filesystem ---------------------------------------------------------------

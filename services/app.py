@@ -4,10 +4,18 @@
 
 - bearer-token auth on every route except ``/healthz``, as one FastAPI
   security dependency (:class:`Auth`, app-wide): ``HTTPBearer`` for the
-  token, ``APIKeyCookie`` for an optional read-only browser session;
-  constant-time comparison; 401 with ``WWW-Authenticate`` when missing or
-  wrong; scoped extra tokens from ``settings.tokens``, 403 when the scope is
-  missing. ``/openapi.json`` and ``/docs`` are served behind it too;
+  token, ``APIKeyCookie`` for a read-only browser session that only the
+  app with a ``cookie_login_path`` (the control plane) issues and accepts,
+  with an expiry; constant-time comparison; 401 with ``WWW-Authenticate``
+  when missing or wrong; scoped extra tokens from ``settings.tokens``, 403
+  when the scope is missing. ``/openapi.json`` and ``/docs`` are served
+  behind it too. Tokens shorter than ``MIN_TOKEN_CHARS`` stop the start-up;
+- a guard against web pages in the operator's browser (:class:`BrowserGuard`,
+  plain ASGI, before auth): a ``Host`` allow-list (always with auth off, so
+  a DNS-rebound page gets 403; with auth on when ``allowed_hosts`` is set),
+  and with auth off, a state-changing request must carry a non-simple
+  ``Content-Type`` or the :data:`CLIENT_HEADER`, which a cross-site page
+  cannot send without a CORS preflight (never granted here);
 - a request-size cap (413) checked before the body is read into memory
   (:class:`BodyLimit`, plain ASGI);
 - ``/healthz`` (200 while the service's ``health`` check passes, else 503)
@@ -22,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Annotated, NoReturn
@@ -41,6 +50,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("tandem")
 
 PUBLIC_PATHS = frozenset({"/healthz"})
+CLIENT_HEADER = "X-Tandem-Client"
+"""Sent by tandem's own clients (``services.clients``): a custom header makes a browser preflight a
+cross-site request, so with auth off it marks a state-changing request as not from a web page."""
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+"""The Host names a service with auth off answers by default (any port): see :class:`BrowserGuard`."""
+SIMPLE_CONTENT_TYPES = frozenset({"", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+"""Content types a page may POST cross-site without a CORS preflight (Fetch standard, "CORS-safelisted
+request-header"); "" is a request with no body."""
 
 
 class ServiceError(Exception):
@@ -79,9 +96,13 @@ def required_scope(method: str) -> str:
     return "read" if method in SAFE_METHODS else "write"
 
 
-def session_cookie_value(token: str) -> str:
-    """The browser-session cookie derived from a token (it is not the token, and not a bearer)."""
-    return hmac.new(token.encode(), b"tandem-session-cookie-v1", hashlib.sha256).hexdigest()
+def session_cookie_value(token: str, issued_at: int) -> str:
+    """The browser-session cookie issued at ``issued_at`` (unix seconds) for a token: ``<issued_at>.<mac>``.
+
+    The MAC is keyed by the token and covers the issue time, so the cookie is neither the token nor
+    a bearer, and its age is checked by the server (not only by the browser's Max-Age)."""
+    mac = hmac.new(token.encode(), f"tandem-session-cookie-v2|{issued_at}".encode(), hashlib.sha256).hexdigest()
+    return f"{issued_at}.{mac}"
 
 
 def _match(given: bytes, table: list[tuple[bytes, frozenset[str]]]) -> frozenset[str] | None:
@@ -100,10 +121,11 @@ def _unauthorized(problem: str) -> HTTPException:
 class SignIn(Exception):
     """Raised by :class:`Auth` for a valid ``?token=`` login: answered with a redirect that sets the cookie."""
 
-    def __init__(self, location: str, cookie: str) -> None:
+    def __init__(self, location: str, cookie: str, max_age_s: int) -> None:
         super().__init__(location)
         self.location = location
         self.cookie = cookie
+        self.max_age_s = max_age_s
 
 
 class Auth:
@@ -112,11 +134,14 @@ class Auth:
     Credentials: ``Authorization: Bearer <token>`` with ``token`` (every
     scope) or one of ``tokens`` (its scopes); a route needs ``read`` for
     GET/HEAD/OPTIONS and ``write`` otherwise (403 without it). With
-    ``cookie_login_path``, ``GET <path>?token=T`` sets an HttpOnly session
-    cookie and redirects to the same URL without the token; the cookie
-    authorizes safe methods only (a browser viewing a dashboard; forged
-    cross-site POSTs get nothing from it). Paths in :data:`PUBLIC_PATHS`
-    are open.
+    ``cookie_login_path``, ``GET <path>?token=T`` sets an HttpOnly,
+    SameSite=Strict session cookie (Max-Age ``session_max_age_s``) and
+    redirects to the same URL without the token; the cookie authorizes safe
+    methods only (a browser viewing a dashboard; forged cross-site POSTs get
+    nothing from it), until it is ``session_max_age_s`` old. Without
+    ``cookie_login_path`` no cookie is accepted: browsers send a host's
+    cookies to every port of it, so the control plane's cookie must not open
+    the other services. Paths in :data:`PUBLIC_PATHS` are open.
 
     FastAPI solves dependencies after it has read a route's declared JSON
     body (within :class:`BodyLimit`'s cap), so an anonymous request whose
@@ -125,17 +150,31 @@ class Auth:
     """
 
     def __init__(
-        self, token: str | None, tokens: dict[str, list[str]] | None = None, cookie_login_path: str | None = None
+        self,
+        token: str | None,
+        tokens: dict[str, list[str]] | None = None,
+        cookie_login_path: str | None = None,
+        session_max_age_s: int = 12 * 3600,
     ) -> None:
         self.bearers: list[tuple[bytes, frozenset[str]]] = []
         if token:
             self.bearers.append((token.encode(), SCOPES))
         for extra, scopes in (tokens or {}).items():
             self.bearers.append((extra.encode(), frozenset(scopes) & SCOPES))
-        self.cookies = [
-            (session_cookie_value(t.decode()).encode(), scopes & {"read"}) for t, scopes in self.bearers
-        ]
         self.cookie_login_path = cookie_login_path
+        self.session_max_age_s = session_max_age_s
+
+    def _cookie_scopes(self, cookie: str) -> tuple[frozenset[str] | None, str]:
+        """Scopes of a session cookie (``read`` at most) and the problem when there are none."""
+        issued, _, _mac = cookie.partition(".")
+        if not issued.isdigit() or len(issued) > 12:
+            return None, "invalid session cookie"
+        age = time.time() - int(issued)
+        if not -60 <= age <= self.session_max_age_s:  # a minute of clock skew
+            return None, "session cookie expired: sign in again with ?token="
+        table = [(session_cookie_value(t.decode(), int(issued)).encode(), s & {"read"}) for t, s in self.bearers]
+        scopes = _match(cookie.encode("latin-1"), table)
+        return scopes, "invalid session cookie"
 
     def _sign_in(self, request: Request, token: str) -> NoReturn:
         """Answer ``GET <login path>?token=T``: a redirect that sets the cookie, or 401/403."""
@@ -145,7 +184,8 @@ class Auth:
         if "read" not in scopes:
             raise HTTPException(403, "this token lacks the 'read' scope")
         rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
-        raise SignIn(request.scope["path"] + (f"?{rest}" if rest else ""), session_cookie_value(token))
+        cookie = session_cookie_value(token, int(time.time()))
+        raise SignIn(request.scope["path"] + (f"?{rest}" if rest else ""), cookie, self.session_max_age_s)
 
     async def __call__(
         self,
@@ -161,15 +201,14 @@ class Auth:
             login = request.query_params.getlist("token")
             if login:
                 self._sign_in(request, login[-1])
-        if session and method not in SAFE_METHODS:
-            session = None  # a cookie never authorizes a write
+        if self.cookie_login_path is None or method not in SAFE_METHODS:
+            session = None  # a cookie never authorizes a write, nor opens a service that issues none
         if bearer is not None:
             # Starlette decodes headers as latin-1: this gives back the bytes sent
             scopes = _match(bearer.credentials.encode("latin-1"), self.bearers)
             problem = "invalid bearer token"
         elif session:
-            scopes = _match(session.encode("latin-1"), self.cookies)
-            problem = "invalid session cookie"
+            scopes, problem = self._cookie_scopes(session)
         else:
             scopes, problem = None, "missing bearer token"
         if scopes is None:
@@ -222,6 +261,62 @@ class BodyLimit:
             await _json(e.status, {"detail": e.message})(scope, receive, send)
 
 
+def _host_matches(host: str, allowed: tuple[str, ...]) -> bool:
+    """``host`` (a Host header, lower case) against entries that are ``name`` (any port) or ``name:port``."""
+    if host.startswith("["):
+        name = host[: host.find("]") + 1]
+    else:
+        name = host.rsplit(":", 1)[0] if ":" in host else host
+    return host in allowed or name in allowed
+
+
+class BrowserGuard:
+    """What a web page in the operator's browser could otherwise do to a service (plain ASGI, before auth).
+
+    - **DNS rebinding**: a page on ``evil.example`` whose name is re-pointed at
+      127.0.0.1 reaches a loopback service as same-origin, but its requests
+      still say ``Host: evil.example``. Requests whose Host is not in
+      ``allowed_hosts`` get 403 (``/healthz`` excepted: probes use pod IPs).
+      The port is not checked unless an entry names one: rebinding changes
+      the name, never makes the browser send ``localhost``.
+    - **Cross-site writes with auth off**: a page may POST ``text/plain``, a
+      form, or nothing at all to any URL without a CORS preflight. With
+      ``check_writes``, a request other than GET/HEAD/OPTIONS is refused
+      (403) unless its ``Content-Type`` is not one of those
+      (:data:`SIMPLE_CONTENT_TYPES`: ``application/json`` and
+      ``application/x-ndjson`` pass) or it carries :data:`CLIENT_HEADER`;
+      either makes a browser ask first, and no CORS preflight is granted.
+      With auth on this is not needed: a page cannot attach the bearer
+      token, and the session cookie never authorizes a write.
+    """
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...] | None, check_writes: bool) -> None:
+        self.app = app
+        self.allowed_hosts = None if allowed_hosts is None else tuple(h.lower() for h in allowed_hosts)
+        self.check_writes = check_writes
+
+    def _problem(self, scope) -> str | None:
+        headers = dict(scope["headers"])
+        if self.allowed_hosts is not None and scope["path"] not in PUBLIC_PATHS:
+            host = headers.get(b"host", b"").decode("latin-1").lower()
+            if not _host_matches(host, self.allowed_hosts):
+                return f"Host header {host!r} is not allowed here (TANDEM_ALLOWED_HOSTS: {list(self.allowed_hosts)})"
+        if self.check_writes and scope["method"] not in SAFE_METHODS and CLIENT_HEADER.lower().encode() not in headers:
+            media = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+            if media in SIMPLE_CONTENT_TYPES:
+                return (
+                    f"Content-Type {media or '(none)'!r}: without a token, a {scope['method']} must be sent "
+                    f"as application/json or application/x-ndjson, or carry an {CLIENT_HEADER} header "
+                    "(a web page cannot send either cross-site)"
+                )
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (problem := self._problem(scope)) is not None:
+            return await _json(403, {"detail": problem})(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(
     title: str,
     settings: CommonSettings,
@@ -231,17 +326,20 @@ def create_app(
     registry: CollectorRegistry | None = None,
     body_limits: dict[str, int] | None = None,
     cookie_login_path: str | None = None,
+    session_max_age_s: int = 12 * 3600,
 ) -> FastAPI:
     """A FastAPI app with tandem's edge. Services add their routers to it.
 
     ``body_limits`` sets per-path request-size caps (default
     ``settings.max_body_bytes``); ``cookie_login_path`` enables the browser
-    session cookie on that path (see :class:`Auth`). Auth is off when the
-    settings hold no token (``check_auth_safe`` allows that on loopback only).
+    session cookie on that path, valid ``session_max_age_s`` (see
+    :class:`Auth`). Auth is off when the settings hold no token
+    (``check_auth_safe`` allows that on loopback only); a token shorter
+    than ``MIN_TOKEN_CHARS`` is refused there too (``check_tokens``).
     """
     settings.check_auth_safe()
     token = settings.token.get_secret_value() if settings.token else None
-    auth = Auth(token, settings.tokens, cookie_login_path)
+    auth = Auth(token, settings.tokens, cookie_login_path, session_max_age_s)
     # FastAPI's own /openapi.json and /docs are plain routes that no dependency guards:
     # they are turned off here and served below as routes behind ``auth``.
     app = FastAPI(
@@ -255,12 +353,22 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = registry or CollectorRegistry()
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, body_limits=body_limits)
+    allowed = settings.allowed_hosts
+    if allowed is None and not auth.bearers:
+        # the bind address too (127.0.0.2 is loopback as well; check_auth_safe allowed it)
+        bound = f"[{settings.host}]" if ":" in settings.host else settings.host
+        allowed = [*LOOPBACK_HOSTS, bound.lower()]
+    # added last: runs first, before the body limit and auth
+    app.add_middleware(
+        BrowserGuard, allowed_hosts=None if allowed is None else tuple(allowed), check_writes=not auth.bearers
+    )
 
     @app.exception_handler(SignIn)
     async def _signed_in(request: Request, e: SignIn) -> RedirectResponse:
         resp = RedirectResponse(e.location, status_code=303)
         resp.set_cookie(
-            SESSION_COOKIE, e.cookie, path="/", httponly=True, samesite="Strict", secure=request.url.scheme == "https"
+            SESSION_COOKIE, e.cookie, max_age=e.max_age_s, path="/", httponly=True, samesite="Strict",
+            secure=request.url.scheme == "https",
         )
         return resp
 

@@ -180,7 +180,6 @@ def up(
     only: Annotated[str | None, typer.Option(help="Comma-separated subset of services to start.")] = None,
 ) -> None:
     """Start embedded Redis and every service, supervise them until Ctrl-C."""
-    import json
     import os
     import signal
 
@@ -194,14 +193,9 @@ def up(
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
     try:
         stack.start()
-        info = stack.run_dir / "stack.json"
-        info.touch(mode=0o600)
-        info.write_text(json.dumps(
-            {"urls": {name: stack.url(name) for name in stack.children}, "token": stack.token, "pid": os.getpid(),
-             "pids": stack.pids(), "redis_url": stack.redis_url}
-        ))
+        info = stack.write_info(os.getpid())  # 0600: it holds the token and the Redis password
         urls = ", ".join(f"{name} {stack.url(name)}" for name in stack.children)
-        typer.secho(f"tandem is up: {urls} (token in {stack.run_dir / 'stack.json'})", fg=typer.colors.GREEN)
+        typer.secho(f"tandem is up: {urls} (token in {info})", fg=typer.colors.GREEN)
         stack.supervise()
     except StackError as e:
         _fail(str(e), code=1)

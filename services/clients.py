@@ -15,6 +15,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop
 from tenacity.wait import wait_base, wait_exponential_jitter
 
 from services import wire
+from services.app import CLIENT_HEADER
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -50,7 +51,10 @@ class _wait_retry_after(wait_base):
 
 
 class ServiceClient:
-    """Base client: bearer auth, per-attempt timeout, bounded retries."""
+    """Base client: bearer auth, per-attempt timeout, bounded retries.
+
+    Every request carries :data:`~services.app.CLIENT_HEADER`, which tells a service with auth
+    off that a body-less POST (``stop_run``) comes from a client, not from a web page."""
 
     def __init__(
         self,
@@ -61,7 +65,7 @@ class ServiceClient:
         attempts: int = 5,
         max_total_s: float = 300.0,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {CLIENT_HEADER: "tandem"} | ({"Authorization": f"Bearer {token}"} if token else {})
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.attempts = attempts
         self.max_total_s = max_total_s

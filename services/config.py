@@ -21,6 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from broker.keys import check_run_id
 from services.wire import RewardType
 
+MAX_EPOCHS = 1000
+"""Most passes a run config may ask for over its prompt set (``data.epochs``)."""
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -42,8 +45,9 @@ class DataConfig(Section):
     """Prompt set to train on (JSON lines: ``prompt`` plus reward-spec fields)."""
     eval: Path | None = None
     """Held-out prompt set for before/after evaluation (same format)."""
-    epochs: int = Field(default=1, ge=1)
-    """Passes over the training prompt set."""
+    epochs: int = Field(default=1, ge=1, le=MAX_EPOCHS)
+    """Passes over the training prompt set (at most 1000: a run enqueues epochs x lines prompt
+    groups when it starts)."""
     shuffle_seed: int | None = 0
     """Seed of the per-epoch shuffle; None keeps file order."""
 

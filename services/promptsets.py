@@ -7,6 +7,13 @@ A line without ``"type"`` takes the run config's ``reward.type`` and
 checked against ``default_type``). Blank lines are skipped. Errors name the
 1-based line and the field.
 
+A line is strict JSON (RFC 8259) of bounded shape, so that what is accepted
+can be stored (msgpack) and echoed (JSON) without surprises: objects and
+arrays nest at most :data:`MAX_DEPTH` deep; no ``NaN``/``Infinity``, no float
+that overflows to infinity, no integer outside the signed 64-bit range, no
+lone surrogate escape (``"\\ud800"``, not Unicode); the bytes are UTF-8.
+:class:`LineParser` can also cap the number of lines and the length of one.
+
 Both readers of prompt sets use this module: the control plane when a set
 is uploaded and a run starts (``services.control``), and the main job's
 held-out evaluation (``services.evaluate``). When ``reward.format_weight >
@@ -17,6 +24,7 @@ regex(<answer>...</answer>))``.
 from __future__ import annotations
 
 import json
+import math
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -25,6 +33,13 @@ from services.wire import REWARD_TYPES, CombinedSpec, RegexSpec, RewardSpec, Wei
 
 MAX_ERRORS = 20
 """An upload stops being parsed after this many bad lines (the 422 lists them)."""
+
+MAX_DEPTH = 32
+"""Deepest nesting of objects and arrays in one line (the line's object is depth 1). A spec
+combined as deep as ``services.wire.MAX_COMBINED_DEPTH`` allows needs about 15."""
+
+INT_RANGE = (-(1 << 63), 1 << 63)
+"""Integers a line may hold: [low, high), what msgpack and the other services' JSON readers take."""
 
 SPEC = TypeAdapter(RewardSpec)
 
@@ -85,32 +100,133 @@ def check_line(obj: object, line: int, default_type: str) -> tuple[dict, list[di
     return {"prompt": prompt, "fields": fields}, []
 
 
+class _NotJSON:
+    """What the decoder makes of ``NaN``, ``Infinity`` and over-long integers: refused by :func:`bad_value`."""
+
+    __slots__ = ("problem",)
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _constant(name: str) -> _NotJSON:
+    return _NotJSON(f"{name} is not valid JSON (use a finite number or a string)")
+
+
+def _integer(digits: str) -> int | _NotJSON:
+    # 20 characters hold every int64 with its sign; a longer literal is never converted (Python
+    # refuses past 4300 digits with a ValueError, and converting is quadratic below that)
+    if len(digits) <= 20:
+        return int(digits)
+    return _NotJSON(f"integer out of range (at most {len(str(INT_RANGE[1]))} digits)")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_int=_integer)
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(key: str) -> str:
+    """A key as an error may echo it (a lone surrogate escaped, so the 422 itself encodes)."""
+    return key.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def bad_value(obj: object, escapes: bool = True) -> tuple[str, str] | None:
+    """(dotted field, problem) of the first value a line may not hold, in document order; None if none.
+
+    ``escapes=False`` (the line's text has no ``\\u``) skips the lone-surrogate check: UTF-8
+    that decoded strictly cannot hold one.
+    """
+    stack: list[tuple[tuple[str, ...], object, int]] = [((), obj, 1)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_DEPTH:
+                return ".".join(path), f"nested deeper than {MAX_DEPTH} levels"
+            if isinstance(value, dict):
+                items = []
+                for key, item in value.items():
+                    if escapes and not _unicode(key):
+                        return ".".join([*path, _shown(key)]), "key holds a lone surrogate escape (not Unicode)"
+                    items.append(((*path, key), item, depth + 1))
+            else:
+                items = [((*path, str(i)), item, depth + 1) for i, item in enumerate(value)]
+            stack.extend(reversed(items))
+        elif isinstance(value, str):
+            if escapes and not _unicode(value):
+                return ".".join(path), "lone surrogate escape in a string (not Unicode)"
+        elif isinstance(value, _NotJSON):
+            return ".".join(path), value.problem
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return ".".join(path), "number out of range (overflows to infinity)"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not INT_RANGE[0] <= value < INT_RANGE[1]:
+                return ".".join(path), "integer out of range (signed 64-bit)"
+    return None
+
+
+def decode_line(text: str) -> tuple[object, dict | None]:
+    """The JSON value of one line's text, or an error ``{"field", "msg"}`` (no line number)."""
+    try:
+        obj = _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        return None, {"field": "", "msg": f"invalid JSON: {e.msg} (column {e.colno})"}
+    except RecursionError:
+        # the C decoder gives up past the interpreter's recursion limit (~1000 levels), building nothing
+        return None, {"field": "", "msg": f"nested deeper than {MAX_DEPTH} levels"}
+    bad = bad_value(obj, escapes="\\u" in text)
+    if bad is not None:
+        return None, {"field": bad[0], "msg": bad[1]}
+    return obj, None
+
+
 class LineParser:
     """Incremental JSON-lines parser: ``feed`` chunks as they arrive, then ``finish``.
 
-    Raises :class:`LineError` as soon as :data:`MAX_ERRORS` lines are bad,
-    otherwise at :meth:`finish` if any were.
+    Raises :class:`LineError` as soon as :data:`MAX_ERRORS` lines are bad, or
+    a line is longer than ``max_line_bytes``, or there are more than
+    ``max_lines`` non-blank lines; otherwise at :meth:`finish` if any were bad.
+    Each good line goes to :meth:`keep` (by default appended to ``lines``).
+    Memory: the good lines as kept, plus the chunk being fed and one partial line.
     """
 
-    def __init__(self, default_type: str = "math") -> None:
+    def __init__(
+        self, default_type: str = "math", *, max_lines: int | None = None, max_line_bytes: int | None = None
+    ) -> None:
         self.default_type = default_type
+        self.max_lines = max_lines
+        self.max_line_bytes = max_line_bytes
         self.lines: list[dict] = []
+        self.count = 0
         self.types: dict[str, int] = {}
         self.errors: list[dict] = []
         self.nbytes = 0
         self._partial: list[bytes] = []
+        self._partial_bytes = 0
         self._lineno = 0
+        self._nonblank = 0
 
     def feed(self, chunk: bytes) -> None:
         self.nbytes += len(chunk)
         if b"\n" not in chunk:
             self._partial.append(chunk)  # joined once its line ends: no quadratic copying
+            self._partial_bytes += len(chunk)
+            self._check_length(self._partial_bytes)
             return
         first, *complete, last = chunk.split(b"\n")
         self._line(b"".join([*self._partial, first]))
         for raw in complete:
             self._line(raw)
         self._partial = [last]
+        self._partial_bytes = len(last)
+        self._check_length(self._partial_bytes)
 
     def finish(self) -> list[dict]:
         rest = b"".join(self._partial)
@@ -119,29 +235,50 @@ class LineParser:
             self._line(rest)
         if self.errors:
             raise LineError(self.errors)
-        if not self.lines:
+        if not self.count:
             raise LineError([{"line": 0, "field": "", "msg": "the prompt set is empty (no JSON lines)"}])
         return self.lines
 
+    def keep(self, stored: dict) -> None:
+        """Hold one good line's stored form (a subclass may encode it instead)."""
+        self.lines.append(stored)
+
+    def _check_length(self, nbytes: int) -> None:
+        if self.max_line_bytes is not None and nbytes > self.max_line_bytes:
+            self.errors.append(
+                {"line": self._lineno + 1, "field": "", "msg": f"line longer than {self.max_line_bytes} bytes"}
+            )
+            raise LineError(self.errors)  # the rest of the line is not read
+
+    def _count(self) -> None:
+        """One more non-blank line: past ``max_lines`` nothing more is read."""
+        self._nonblank += 1
+        if self.max_lines is not None and self._nonblank > self.max_lines:
+            self.errors.append({"line": self._lineno, "field": "", "msg": f"more than {self.max_lines} lines"})
+            raise LineError(self.errors)
+
     def _line(self, raw: bytes) -> None:
         self._lineno += 1
+        self._check_length(len(raw))
         if self._lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
             raw = raw[3:]  # a UTF-8 byte-order mark
         try:
             text = raw.decode("utf-8").strip()
         except UnicodeDecodeError as e:
+            self._count()
             return self._error({"line": self._lineno, "field": "", "msg": f"not valid UTF-8 (byte {e.start})"})
         if not text:
             return None
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            return self._error({"line": self._lineno, "field": "", "msg": f"invalid JSON: {e.msg} (column {e.colno})"})
+        self._count()
+        obj, error = decode_line(text)
+        if error is not None:
+            return self._error({"line": self._lineno, **error})
         stored, errors = check_line(obj, self._lineno, self.default_type)
         for e in errors:
             self._error(e)
         if not errors:
-            self.lines.append(stored)
+            self.keep(stored)
+            self.count += 1
             kind = stored["spec"]["type"] if "spec" in stored else "default"
             self.types[kind] = self.types.get(kind, 0) + 1
         return None
@@ -170,16 +307,18 @@ def line_specs(lines: list[dict], config: RunConfig) -> list:
                 raw["extract"] = config.reward.extract
         try:
             spec = SPEC.validate_python(raw)
+            if config.reward.format_weight > 0:  # one level and one leaf more: the caps apply to the result
+                spec = CombinedSpec(
+                    parts=[
+                        WeightedSpec(weight=1.0, spec=spec),
+                        WeightedSpec(weight=config.reward.format_weight, spec=RegexSpec(pattern=ANSWER_TAG)),
+                    ]
+                )
         except ValidationError as e:
             errors += spec_errors(e, i)
+            if len(errors) >= MAX_ERRORS:
+                break  # a config that fits no line would otherwise list every line
             continue
-        if config.reward.format_weight > 0:
-            spec = CombinedSpec(
-                parts=[
-                    WeightedSpec(weight=1.0, spec=spec),
-                    WeightedSpec(weight=config.reward.format_weight, spec=RegexSpec(pattern=ANSWER_TAG)),
-                ]
-            )
         specs.append(spec)
     if errors:
         raise LineError(errors)

@@ -327,6 +327,7 @@ class RunWatcher:
         """Wait for an active run not offered before, with a valid config; None once ``stop`` is set."""
         while not self._stopping():
             record = await self.store.active()
+            _raise_if_cancelled()
             if record is None or record.run_id in self._offered:
                 await asyncio.sleep(self.poll_s)
                 continue
@@ -347,6 +348,7 @@ class RunWatcher:
         """Tick every ``poll_s`` while the run is queued or running; return once it is not
         (finished, stopped, failed) or ``stop`` is set."""
         while not self._stopping() and await self.store.is_live(run_id):
+            _raise_if_cancelled()
             await asyncio.sleep(self.poll_s)
             yield
 
@@ -356,6 +358,17 @@ class RunWatcher:
             await self.store.set_state(run_id, "failed", error=error)
         except TransitionError:
             pass  # another service failed it first, or it was stopped meanwhile
+
+
+def _raise_if_cancelled() -> None:
+    """End a polling loop whose task was cancelled during a Redis command that then completed.
+
+    redis-py 8.1 under Python 3.11 can lose a cancellation that arrives while a command takes a
+    pooled connection (seen: ``wait_for(watcher.next(), 0.3)`` hung for good, the task
+    "cancelling" yet sleeping in its next poll); the task's cancel count still says so."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class MetricsLog:

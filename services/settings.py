@@ -4,7 +4,7 @@ One class per process, each reading its own environment variables:
 
 | class | process | variables |
 |---|---|---|
-| :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``REDIS_URL`` |
+| :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``TANDEM_ALLOWED_HOSTS``, ``REDIS_URL`` |
 | :class:`WorkerSettings` | what a rollout server and the learner share | ``TANDEM_RUN_ID``, ``TANDEM_SERVER_ID`` |
 | :class:`ControlSettings` | control plane (``services.control``) | ``TANDEM_CONTROL_*`` |
 | ``RolloutSettings`` | rollout server (``rollout_server.settings``) | ``TANDEM_ROLLOUT_*`` |
@@ -39,6 +39,8 @@ from pydantic_settings import (
 )
 
 PREFIX = "TANDEM_"
+MIN_TOKEN_CHARS = 16
+"""Shortest bearer token a service starts with (TANDEM_TOKEN and each of TANDEM_TOKENS)."""
 
 
 def settings_config(prefix: str) -> SettingsConfigDict:
@@ -87,24 +89,54 @@ class CommonSettings(BaseSettings):
     """Requests larger than this get 413 (TANDEM_MAX_BODY_BYTES)."""
     run_dir: Path = Field(default=Path("runs"), validation_alias="TANDEM_RUN_DIR")
     """Where runs, weight versions and the embedded Redis data live (TANDEM_RUN_DIR)."""
+    run_dir_volume: str | None = Field(default=None, validation_alias="TANDEM_RUN_DIR_VOLUME")
+    """Name of the Modal Volume mounted at the run directory (TANDEM_RUN_DIR_VOLUME; set by
+    deploy/modal_app.py): the learner commits it after writing a weight version and a rollout
+    server reloads it before reading one. Unset (local disk, docker volumes): neither."""
     redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
     """Redis to use (REDIS_URL); unset = start an embedded redis-server in the run directory."""
+    allowed_hosts: list[str] | None = Field(default=None, validation_alias="TANDEM_ALLOWED_HOSTS")
+    """Host headers this service answers (TANDEM_ALLOWED_HOSTS, JSON list; an entry is a name, any
+    port, or name:port). Unset: with auth off, the loopback names only (localhost, 127.0.0.1,
+    [::1]), so a DNS-rebound page gets 403; with auth on, any Host (a rebound page lacks the token).
+    Set: checked with auth on too (a reverse proxy's public name, docker-compose service names)."""
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, _EnvByNameOnce(settings_cls)  # no .env file, no secrets directory
 
+    @property
+    def auth_on(self) -> bool:
+        """True when a token is configured (an empty TANDEM_TOKEN counts as none)."""
+        return bool(self.token and self.token.get_secret_value()) or bool(self.tokens)
+
     def check_auth_safe(self) -> None:
-        """Refuse to listen beyond loopback without a token."""
-        if self.token is not None or self.tokens:
-            return
-        try:
-            loopback = ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            loopback = self.host == "localhost"
-        if not loopback:
-            raise ValueError(f"TANDEM_TOKEN is unset: refusing to listen on {self.host} without auth")
+        """Refuse a short token (:meth:`check_tokens`), and to listen beyond loopback without one
+        (an empty TANDEM_TOKEN is no token)."""
+        if not self.auth_on:
+            try:
+                loopback = ipaddress.ip_address(self.host).is_loopback
+            except ValueError:
+                loopback = self.host == "localhost"
+            if not loopback:
+                raise ValueError(f"TANDEM_TOKEN is unset: refusing to listen on {self.host} without auth")
+        self.check_tokens()
+
+    def check_tokens(self) -> None:
+        """Refuse a token shorter than :data:`MIN_TOKEN_CHARS` (an empty ``TANDEM_TOKEN=""`` included).
+
+        A service calls it at start-up (``services.app.create_app``): a short token is guessable,
+        and an empty one used to switch auth off while passing the loopback guard."""
+        if self.token is not None and len(self.token.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(
+                f"TANDEM_TOKEN is {len(self.token.get_secret_value())} characters: use at least "
+                f"{MIN_TOKEN_CHARS} (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`), "
+                "or unset it to run without auth on a loopback address"
+            )
+        short = [i for i, t in enumerate(self.tokens) if len(t) < MIN_TOKEN_CHARS]
+        if short:
+            raise ValueError(f"TANDEM_TOKENS: token #{short[0]} is shorter than {MIN_TOKEN_CHARS} characters")
 
     def masked(self) -> dict[str, Any]:
         """The effective settings as JSON-able values, secrets (tokens, keys, passwords in URLs) masked."""
@@ -138,6 +170,16 @@ class ControlSettings(CommonSettings):
 
     max_prompt_set_bytes: int = Field(default=64 << 20, ge=1024)
     """Prompt-set uploads larger than this get 413 (TANDEM_CONTROL_MAX_PROMPT_SET_BYTES)."""
+    max_prompt_set_lines: int = Field(default=1_000_000, ge=1)
+    """Prompt sets with more non-blank lines than this get 422 (TANDEM_CONTROL_MAX_PROMPT_SET_LINES)."""
+    max_prompt_line_bytes: int = Field(default=8 << 20, ge=1024)
+    """A prompt-set line longer than this gets 422 naming it (TANDEM_CONTROL_MAX_PROMPT_LINE_BYTES)."""
+    max_stored_prompt_set_bytes: int = Field(default=1 << 30, ge=1024)
+    """Stored bytes of all prompt sets together; an upload past it gets 507, naming the setting
+    (TANDEM_CONTROL_MAX_STORED_PROMPT_SET_BYTES)."""
+    session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
+    """Lifetime of the dashboard's read-only session cookie (``GET /?token=T``) in seconds: its
+    Max-Age, and the age past which the server refuses it (TANDEM_CONTROL_SESSION_MAX_AGE_S)."""
 
 
 class StackSettings(CommonSettings):

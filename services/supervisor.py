@@ -14,11 +14,23 @@
   most ``max_restarts`` times per service; beyond that the stack fails;
 - on :meth:`stop` (Ctrl-C, SIGTERM) sends SIGTERM to each service, SIGKILL
   to its whole process group after a grace period, then stops Redis.
+
+Other local users are not trusted (ARCHITECTURE.md section 7). The run
+directory holds the token (``stack.json``), the embedded Redis's data and
+the weights, so the stack makes it 0700 and the services that write there run with
+umask 077 (every file they write is 0600). The embedded Redis requires a password
+(:mod:`broker.embedded`); the URL that carries it goes only to the services'
+environment (private to the user, unlike argv) and to ``stack.json`` (0600,
+:meth:`Stack.write_info`); the console and logs get it without the password.
+The reward server never gets ``REDIS_URL``: it has no use for Redis, and it
+is the process that runs untrusted code (in sandboxes); it also keeps the
+caller's umask, since its sandboxes run under other uids.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import subprocess
@@ -38,6 +50,10 @@ from services.settings import StackSettings
 SERVICES = ("reward", "control", "rollout", "learner")
 # Set per service by the stack; a value in the caller's environment would be wrong for all but one.
 _STACK_DECIDES = {"TANDEM_PORT", "TANDEM_HOST", "TANDEM_RUN_ID", "TANDEM_SERVER_ID", "TANDEM_TOKENS"}
+# The service that runs untrusted code (in sandboxes): it uses no Redis, so it gets no REDIS_URL
+# (nor the Redis password), and it keeps the caller's umask (its sandboxes hand files to other uids).
+_RUNS_SANDBOXES = {"reward"}
+STACK_FILE = "stack.json"
 START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 300, "learner": 300}
 
 
@@ -88,19 +104,22 @@ class Stack:
     # -- start -------------------------------------------------------------
 
     def start(self) -> Stack:
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)  # an existing run directory too: it is about to hold secrets
+        (self.run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
         try:
             if not self.external_redis:
                 self.redis = EmbeddedRedis(self.run_dir / "redis").start()
                 self.redis_url = self.redis.url
-                self.echo(f"[stack] redis-server at {self.redis_url} (AOF in {self.redis.data_dir})")
+                self.echo(f"[stack] redis-server at {self.redis.display_url} (AOF in {self.redis.data_dir})")
             ports = {name: free_port() for name in self.services}
             env = self._env(ports)
             for name in self.services:
                 args = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(ports[name])]
                 if self.config is not None:
                     args += ["--config", str(self.config)]
-                self.children[name] = Child(name, ports[name], env, args)
+                own_env = {k: v for k, v in env.items() if k != "REDIS_URL"} if name in _RUNS_SANDBOXES else env
+                self.children[name] = Child(name, ports[name], own_env, args)
             for name in self.services:
                 self._spawn(self.children[name])
                 self._wait_healthy(self.children[name])
@@ -132,10 +151,11 @@ class Stack:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            umask=-1 if child.name in _RUNS_SANDBOXES else 0o077,  # weights, checkpoints, logs: 0600
             preexec_fn=die_with_parent,
         )
         child.started_at = time.monotonic()
-        log = open(self.run_dir / "logs" / f"{child.name}.log", "a", buffering=1)  # noqa: SIM115
+        log = open(self.run_dir / "logs" / f"{child.name}.log", "a", buffering=1, opener=_private)  # noqa: SIM115
         child.log_thread = threading.Thread(target=self._pump, args=(child, child.proc, log), daemon=True)
         child.log_thread.start()
 
@@ -200,6 +220,24 @@ class Stack:
     def url(self, name: str) -> str:
         return self.children[name].url
 
+    def write_info(self, owner_pid: int) -> Path:
+        """Write ``<run_dir>/stack.json`` (the services' URLs, the token, the Redis URL with its
+        password, the pids) as a new 0600 file; return its path. ``owner_pid``: the supervising process.
+
+        The file is written under a temporary name created 0600 and renamed over the old one, so it
+        is never readable by others, even for a moment, whatever mode an older file had.
+        """
+        info = {"urls": {name: self.url(name) for name in self.children}, "token": self.token,
+                "pid": owner_pid, "pids": self.pids(), "redis_url": self.redis_url}
+        path = self.run_dir / STACK_FILE
+        tmp = path.with_name(f".{STACK_FILE}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(info))
+        os.replace(tmp, path)
+        return path
+
     def pids(self) -> list[int]:
         """Every process id the stack started (services and Redis)."""
         pids = [c.proc.pid for c in self.children.values() if c.proc is not None]
@@ -212,6 +250,13 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _private(path: str, flags: int) -> int:
+    """``open`` opener: the file is 0600 (an existing one too)."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:

@@ -1,11 +1,15 @@
 """Sandboxes for untrusted code: one interface (:mod:`.base`), three backends and a last resort.
 
 - :mod:`.gvisor`: warm pool of ``runsc`` sandboxes with a minimal root (default when runsc works);
-- :mod:`.bwrap`: bubblewrap namespaces per job (when gVisor is not usable);
+- :mod:`.bwrap`: bubblewrap namespaces per job, ``--disable-userns`` and a seccomp
+  filter (:mod:`.seccomp`) (when gVisor is not usable);
 - :mod:`.modal`: ``modal.Sandbox`` pool (in Modal deployments);
 - :mod:`.local`: no isolation, only with ``unsafe_local = true``.
 
-All of them run the same in-sandbox supervisor, :mod:`.guest.agent`.
+All of them run the same in-sandbox supervisor, :mod:`.guest.agent`. Host
+cgroups per job (:mod:`.cgroup`) cap a job's memory, processes and CPU as a
+whole where the host allows it; :mod:`.blame` decides whether a sandbox that
+ended mid-job is an infrastructure failure or the job's doing.
 """
 
 from __future__ import annotations
@@ -26,16 +30,20 @@ def choose(settings: RewardSettings) -> tuple[Sandbox | None, str]:
 
         why = runsc_works(settings.runsc)
         if why is None:
-            return GVisorSandbox(workers=settings.effective_workers, max_jobs=settings.max_jobs_per_sandbox,
-                                 runsc=settings.runsc, python=settings.sandbox_python), "gVisor (runsc)"
+            sandbox = GVisorSandbox(workers=settings.effective_workers, max_jobs=settings.max_jobs_per_sandbox,
+                                    runsc=settings.runsc, python=settings.sandbox_python,
+                                    max_memory_mb=settings.max_memory_mb, cpus=settings.sandbox_cpus,
+                                    cgroups=settings.cgroups)
+            return sandbox, "gVisor (runsc)" + ("" if sandbox.limits else ", no cgroups")
         reasons.append(f"gvisor: {why}")
     if settings.sandbox in ("auto", "bwrap"):
         from reward_server.sandbox.bwrap import BwrapSandbox, bwrap_works
 
         why = bwrap_works(settings.bwrap, settings.sandbox_python)
         if why is None:
-            return BwrapSandbox(workers=settings.effective_workers, bwrap=settings.bwrap,
-                                python=settings.sandbox_python), "bubblewrap"
+            sandbox = BwrapSandbox(workers=settings.effective_workers, bwrap=settings.bwrap,
+                                   python=settings.sandbox_python, cpus=settings.sandbox_cpus, cgroups=settings.cgroups)
+            return sandbox, "bubblewrap" + (" with a cgroup per job" if sandbox.cgroups else ", no cgroups")
         reasons.append(f"bwrap: {why}")
     if settings.sandbox == "modal":
         from reward_server.sandbox.modal import ModalOptions, ModalSandbox

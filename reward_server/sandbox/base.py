@@ -99,9 +99,13 @@ def python_run(python: str, main: str = "main.py", stdin: str = "") -> Run:
     return Run(argv=[python, "-I", BOOT, main], stdin=stdin)
 
 
-def harness_run(python: str, solution: str = "solution.py", tests: str = "tests.json") -> Run:
-    """Run assert-style tests against ``solution`` with per-test results."""
-    return Run(argv=[python, "-I", HARNESS, solution, tests, "{results_fd}"], results=True)
+def harness_run(python: str, tests: list[str], wall_s: float, solution: str = "solution.py") -> Run:
+    """Run assert-style tests against ``solution`` with per-test results (``guest/harness.py``).
+
+    The tests travel on the harness's stdin, never as a file in the work dir, where the program
+    could read them; ``wall_s`` (the job's wall limit) lets the harness end a hung program itself."""
+    return Run(argv=[python, "-I", HARNESS, solution, repr(float(wall_s)), "{results_fd}"],
+               stdin=json.dumps(tests), results=True)
 
 
 def parse_answer(body: bytes, job: Job) -> list[RunOutcome]:

@@ -17,7 +17,18 @@ call. Here each sandbox is an OCI bundle of our own:
   forked before any job is read) instead of exec'ing a new interpreter:
   ~50 ms instead of ~170 ms per run under gVisor's ptrace platform;
 - a sandbox is recycled after ``max_jobs`` jobs, and killed and replaced at
-  once when it fails to answer in time or answers garbage.
+  once when it fails to answer in time or answers garbage;
+- each run enters a new IPC namespace inside the sandbox (the agent holds
+  ``CAP_SYS_ADMIN`` of gVisor's kernel for that; jobs hold no capability),
+  so System V shared memory of one job is gone for the next;
+- each sandbox has a host cgroup (:mod:`.cgroup`) capping memory (the
+  largest admitted job, its /tmp and the sentry), host threads and CPU.
+  It is the job's cgroup too: a sandbox runs one job at a time. runsc
+  20221219 applies ``linux.resources`` only to a cgroup it creates itself,
+  and deletes that one when the sandbox ends, before tandem could read its
+  OOM count; so tandem creates the cgroup with the same limits and names it
+  in ``linux.cgroupsPath`` (runsc joins an existing cgroup and leaves it
+  alone). Without cgroups (not root), only the rlimits apply.
 
 So the start cost is paid once per ``max_jobs`` jobs, not per test case.
 
@@ -46,16 +57,26 @@ from reward_server.sandbox.base import (
     RunOutcome,
     Sandbox,
     SandboxError,
-    parse_answer,
-    read_answer,
     unanswered,
 )
+from reward_server.sandbox.blame import SandboxEnded, read_verdicts, run_blaming
+from reward_server.sandbox.cgroup import Cgroup, CgroupLimits, cgroups_usable
 from reward_server.sandbox.pool import Pool
 from reward_server.sandbox.runtime import discover
 
 log = logging.getLogger("tandem.reward.gvisor")
 _ids = itertools.count()
-AGENT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE"]
+# Capabilities of gVisor's kernel, not the host's; CAP_SYS_ADMIN: a new IPC namespace per run.
+AGENT_CAPS = ["CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE", "CAP_SYS_ADMIN"]
+SENTRY_OVERHEAD_MB = 256  # gVisor's sentry and gofer, on top of the largest job and its /tmp
+HOST_THREADS = 512  # the sentry's host threads (guest processes are not host processes)
+
+
+def resources(limits: CgroupLimits) -> dict:
+    """OCI ``linux.resources`` for ``limits``."""
+    period = 100_000
+    return {"memory": {"limit": limits.memory_bytes}, "pids": {"limit": limits.pids},
+            "cpu": {"quota": max(1000, int(limits.cpus * period)), "period": period}}
 
 
 def bundle_config(python: str, binds: tuple[tuple[str, str], ...], tmp_mb: int) -> dict:
@@ -123,11 +144,25 @@ def runsc_works(runsc: str = "runsc") -> str | None:
 class _Container:
     """One running sandbox with its agent; serves one job at a time."""
 
-    def __init__(self, runsc: str, state: Path, bundle: Path) -> None:
-        self.runsc, self.state, self.bundle = runsc, state, bundle
+    def __init__(self, runsc: str, state: Path, bundle: Path, limits: CgroupLimits | None = None) -> None:
+        self.runsc, self.state = runsc, state
         self.id = f"tandem-{os.getpid()}-{next(_ids)}"
         self.proc: asyncio.subprocess.Process | None = None
         self.jobs = 0
+        self.cgroup: Cgroup | None = None
+        self.bundle = bundle
+        if limits is not None:  # a bundle of its own: the shared root, this sandbox's cgroup
+            made = Cgroup.create(Cgroup.unique_name("tandem-gvisor"), limits)
+            if isinstance(made, str):
+                raise SandboxError(made)
+            self.cgroup = made
+            config = json.loads((bundle / "config.json").read_text())
+            config["root"]["path"] = str(bundle / "rootfs")
+            config["linux"]["cgroupsPath"] = made.path
+            config["linux"]["resources"] = resources(limits)
+            self.bundle = state / f"bundle-{self.id}"
+            self.bundle.mkdir()
+            (self.bundle / "config.json").write_text(json.dumps(config, indent=1))
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
@@ -144,7 +179,12 @@ class _Container:
             await self.proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as e:
             raise SandboxError(f"sandbox {self.id} is gone: {e}") from e
-        return parse_answer(await read_answer(self.proc.stdout), job)
+        try:
+            return await read_verdicts(self.proc.stdout, job)
+        except SandboxEnded as e:
+            with contextlib.suppress(TimeoutError):  # let runsc finish so the OOM count is final
+                await asyncio.wait_for(self.proc.wait(), 2.0)
+            raise SandboxEnded(str(e), out_of_memory=self.cgroup is not None and self.cgroup.oom_kills() > 0) from e
 
     @property
     def alive(self) -> bool:
@@ -157,6 +197,7 @@ class _Container:
         stop that times out), so: close the agent's stdin (it exits at once when
         healthy), else ``runsc kill ID KILL``, and only then the heavy hammer."""
         if self.proc is None:
+            await self.remove_cgroup()
             return
         if self.proc.returncode is None and self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.close()
@@ -173,6 +214,14 @@ class _Container:
                     os.kill(pid, signal.SIGKILL)
             await self.proc.wait()
             await self._runsc("delete", "--force", self.id)
+        await self.remove_cgroup()
+
+    async def remove_cgroup(self) -> None:
+        if self.cgroup is not None:
+            cgroup, self.cgroup = self.cgroup, None
+            await asyncio.to_thread(cgroup.remove)  # it may wait for the last killed processes
+        if self.bundle.name.startswith("bundle-"):
+            shutil.rmtree(self.bundle, ignore_errors=True)
 
     async def _runsc(self, *args: str, timeout_s: float = 10.0) -> None:
         proc = await asyncio.create_subprocess_exec(
@@ -211,7 +260,8 @@ class GVisorSandbox(Sandbox):
     name = "gvisor"
 
     def __init__(self, *, workers: int = 2, max_jobs: int = 500, runsc: str = "runsc",
-                 python: str = "/usr/bin/python3", tmp_mb: int = 512) -> None:
+                 python: str = "/usr/bin/python3", tmp_mb: int = 512, max_memory_mb: int = 2048,
+                 cpus: float = 1.0, cgroups: bool = True) -> None:
         self.runsc = shutil.which(runsc) or runsc
         self.workers, self.max_jobs, self.tmp_mb = workers, max_jobs, tmp_mb
         self._python_host = python
@@ -220,10 +270,15 @@ class GVisorSandbox(Sandbox):
         self._state.mkdir()
         self._bundle, self.python = make_bundle(self._dir / "bundle", python, tmp_mb)
         self._containers: set[_Container] = set()
+        why = cgroups_usable() if cgroups and os.geteuid() == 0 else "off" if not cgroups else "not root"
+        self.limits = None if why else CgroupLimits((max_memory_mb + tmp_mb + SENTRY_OVERHEAD_MB) << 20,
+                                                    HOST_THREADS, cpus)
+        if why:
+            log.warning("gVisor: no cgroup per sandbox (%s); only rlimits inside the sandbox cap a job", why)
         self.pool: Pool[_Container] = Pool(self._spawn, self._destroy, size=workers, max_uses=max_jobs)
 
     async def _spawn(self) -> _Container:
-        container = _Container(self.runsc, self._state, self._bundle)
+        container = _Container(self.runsc, self._state, self._bundle, self.limits)
         self._containers.add(container)  # before start: a cancelled spawn is still found by close()
         await container.start()
         return container
@@ -236,6 +291,9 @@ class GVisorSandbox(Sandbox):
         await self.pool.start()
 
     async def run(self, job: Job) -> list[RunOutcome]:
+        return await run_blaming(self._attempt, job, self.python)
+
+    async def _attempt(self, job: Job) -> list[RunOutcome]:
         async with self.pool.lease() as lease:
             container = lease.item
             try:
@@ -245,7 +303,7 @@ class GVisorSandbox(Sandbox):
                 log.warning("sandbox %s did not answer in %.0f s; killed", container.id, job.backstop_s())
                 return unanswered(job)
             except SandboxError:
-                lease.discard()
+                lease.discard()  # SandboxEnded too: the sandbox is dead, the next try gets another
                 raise
 
     async def close(self) -> None:

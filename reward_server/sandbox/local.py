@@ -20,9 +20,8 @@ from reward_server.sandbox.base import (
     RunOutcome,
     Sandbox,
     SandboxError,
-    parse_answer,
-    read_answer,
 )
+from reward_server.sandbox.blame import read_verdicts, run_blaming
 from reward_server.sandbox.guest import GUEST_DIR
 
 
@@ -42,6 +41,9 @@ class LocalSandbox(Sandbox):
         os.mkdir(self._work, 0o711)
 
     async def run(self, job: Job) -> list[RunOutcome]:
+        return await run_blaming(self._attempt, job, self.python)
+
+    async def _attempt(self, job: Job) -> list[RunOutcome]:
         proc = await asyncio.create_subprocess_exec(
             self.python, "-I", os.path.join(self._guest, "agent.py"), "--oneshot", self._work,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, start_new_session=True,
@@ -52,7 +54,7 @@ class LocalSandbox(Sandbox):
             proc.stdin.write(job.frame())
             await proc.stdin.drain()
             proc.stdin.close()
-            return parse_answer(await asyncio.wait_for(read_answer(proc.stdout), job.backstop_s()), job)
+            return await asyncio.wait_for(read_verdicts(proc.stdout, job), job.backstop_s())
         except (BrokenPipeError, ConnectionResetError, TimeoutError) as e:
             raise SandboxError(f"local agent failed: {e!r}") from e
         finally:

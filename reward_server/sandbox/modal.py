@@ -5,8 +5,12 @@ reservation and a lifetime ``timeout``, from an image holding Python and
 tandem's guest code at ``/opt/tandem``. A job is one
 ``sandbox.exec("python3", "-I", "/opt/tandem/agent.py", "--oneshot", ...)``:
 the frame goes to the exec's stdin, the verdict frame comes from its stdout.
-The agent is root in the container, so each job runs under a fresh uid in
-its own work dir and everything that uid started is killed afterwards.
+The agent is root in the container and runs with ``--warm``: before and
+after each job it kills every process of any job uid and deletes what job
+uids left in the shared writable places (``/tmp``, ``/var/tmp``,
+``/dev/shm``, ...; made 0711/0700 so jobs cannot write there at all), and
+each job gets a uid no earlier job of that container had, its own work dir
+and its own IPC namespace (or its IPC objects removed after it).
 
 Modal reports an exec that outlived its ``timeout`` with ``returncode == -1``
 instead of raising; that is mapped to ``timeout``. Sandboxes are created at
@@ -34,6 +38,7 @@ from reward_server.sandbox.base import (
     parse_answer,
     unanswered,
 )
+from reward_server.sandbox.blame import SandboxEnded, is_accepted, run_blaming
 from reward_server.sandbox.guest import GUEST_DIR
 from reward_server.sandbox.pool import Pool
 
@@ -68,7 +73,8 @@ def sandbox_kwargs(options: ModalOptions) -> dict[str, Any]:
 
 def exec_args(job: Job) -> tuple[list[str], int]:
     """The argv and timeout (whole seconds) of the exec that runs ``job``."""
-    return [MODAL_PYTHON, "-I", f"{GUEST_MOUNT}/agent.py", "--oneshot", "/tmp"], int(job.backstop_s()) + EXEC_GRACE_S
+    argv = [MODAL_PYTHON, "-I", f"{GUEST_MOUNT}/agent.py", "--oneshot", "/tmp", "--warm"]
+    return argv, int(job.backstop_s()) + EXEC_GRACE_S
 
 
 def guest_files() -> dict[str, str]:
@@ -76,17 +82,31 @@ def guest_files() -> dict[str, str]:
     return {f"{GUEST_MOUNT}/{p.name}": p.read_text() for p in sorted(GUEST_DIR.glob("*.py"))}
 
 
+def split_frames(stdout: bytes) -> list[bytes]:
+    """The complete frame bodies at the start of ``stdout``."""
+    bodies, at = [], 0
+    while len(stdout) - at >= HEADER.size:
+        (size,) = struct.unpack(">I", stdout[at : at + HEADER.size])
+        body = stdout[at + HEADER.size : at + HEADER.size + size]
+        if len(body) < size:
+            break
+        bodies.append(body)
+        at += HEADER.size + size
+    return bodies
+
+
 def outcome_of_exec(job: Job, returncode: int | None, stdout: bytes, stderr: str) -> list[RunOutcome]:
-    """Verdicts from a finished exec: its returncode and raw stdout."""
+    """Verdicts from a finished exec: its returncode and raw stdout (``accepted``, then the answer)."""
     if returncode == -1:  # Modal: the exec hit its timeout (it does not raise)
         return unanswered(job, "modal exec timed out")
-    if len(stdout) < HEADER.size:
+    bodies = split_frames(stdout)
+    if bodies and is_accepted(bodies[0]):
+        if len(bodies) < 2:
+            raise SandboxEnded(f"modal exec ended ({returncode}) while the job ran: {stderr[-300:]}")
+        return parse_answer(bodies[1], job)
+    if not bodies:
         raise SandboxError(f"modal exec returned {returncode} without an answer: {stderr[-300:]}")
-    (size,) = struct.unpack(">I", stdout[: HEADER.size])
-    body = stdout[HEADER.size : HEADER.size + size]
-    if len(body) < size:
-        raise SandboxError("modal exec answer cut short")
-    return parse_answer(body, job)
+    return parse_answer(bodies[0], job)
 
 
 class ModalApi:
@@ -143,6 +163,9 @@ class ModalSandbox(Sandbox):
         await self.pool.start()
 
     async def run(self, job: Job) -> list[RunOutcome]:
+        return await run_blaming(self._attempt, job, self.python)
+
+    async def _attempt(self, job: Job) -> list[RunOutcome]:
         async with self.pool.lease() as lease:
             try:
                 outcomes = await self.api.run(lease.item, job)

@@ -1,17 +1,30 @@
 """``python_tests`` reward: the completion's program against assert tests and stdin/stdout cases.
 
-One sandbox job per completion: the assert tests run in one process through
-the harness (one verdict per test, reported as each finishes), and every
-stdin/stdout case is a run of its own. Reward is the fraction of passed
-tests and cases, or all-or-nothing (``reward_mode="all"``). The status is
-``ok`` when everything passed, else the first program failure found
+One sandbox job per completion: the assert tests run through the harness
+(``sandbox/guest/harness.py``, one verdict per test, reported as each
+finishes), and every stdin/stdout case is a run of its own. Reward is the
+fraction of passed tests and cases, or all-or-nothing (``reward_mode="all"``).
+The status is ``ok`` when everything passed, else the first failure found
 (``compile_error``, ``timeout``, ``memory_limit``, ``output_limit``,
 ``runtime_error``) or ``wrong_answer``.
+
+Verdicts the completion cannot forge: the harness is a trusted process that
+never runs the program. The program runs in a child without the results
+pipe, the tests or their expected values; the harness executes each test in
+its own interpreter, calls the program's functions through a pipe, and gets
+back only plain data rebuilt in exact builtin types, so comparisons are the
+harness's, never the program's. The tests reach the harness on its stdin,
+never as a file. Early exits, fake result lines, rigged ``__eq__``, patched
+``json``/``builtins``/``unittest``, stack and ``gc`` inspection and reading
+the tests are closed (the harness docstring lists them, and
+tests/integration/test_reward_hacks.py tries each under every backend).
+Residual risks: the program sees its call arguments (inputs in the prompt
+can be hard-coded); the stdin/stdout cases still compare the program's own
+output, which is as intended; expected stdout never enters the sandbox.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 
 from reward_server.extract import code as extract_code
@@ -29,13 +42,9 @@ def same_output(got: str, want: str) -> bool:
 
 
 def build_job(program: str, spec: PythonTestsSpec, python: str) -> Job:
-    files = {"solution.py": program}
-    runs = []
-    if spec.tests:
-        files["tests.json"] = json.dumps(spec.tests)
-        runs.append(harness_run(python))
+    runs = [harness_run(python, spec.tests, spec.limits.wall_s)] if spec.tests else []
     runs += [python_run(python, "solution.py", stdin=case.stdin) for case in spec.io]
-    return Job(files=files, runs=runs, limits=spec.limits)
+    return Job(files={"solution.py": program}, runs=runs, limits=spec.limits)
 
 
 def judge(spec: PythonTestsSpec, outcomes: list[RunOutcome]) -> tuple[float, str, str]:
@@ -51,6 +60,7 @@ def judge(spec: PythonTestsSpec, outcomes: list[RunOutcome]) -> tuple[float, str
                 passed += 1
             elif verdict is not None:
                 notes.append(f"test {i}: {verdict.get('error', '')}"[:200])
+                failures.append(verdict.get("status"))  # the harness's per-test status (timeout, ...)
         if harness.status != "ok":
             failures.append(harness.status)
             notes.append(f"tests: {harness.status}: {harness.detail}"[:300])

@@ -4,6 +4,12 @@ A combined score is infrastructure-failed if any part is (no partial
 rewards are ever trained on); otherwise its reward is ``sum(w_i * r_i)``
 and its status is the first part's status (the primary criterion first,
 e.g. correctness before format), with every part's verdict in ``detail``.
+
+Before anything in a batch is scored, every judge spec's ``url`` (combined
+parts included) is checked against the judge's allow-list: one the server
+will not call makes the whole request a 422 naming the field
+(``items.3.spec.url``, ``items.0.spec.parts.1.spec.url``), which the rollout
+side drops at once instead of retrying.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from reward_server.execution import ExecQueue
 from reward_server.verifiers import code, text
-from reward_server.verifiers.judge import Judge
+from reward_server.verifiers.judge import Judge, UrlRefused
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.result import infra, scored
+from services.app import ServiceError
 from services.wire import (
     CombinedSpec,
     ExactSpec,
@@ -40,13 +47,36 @@ def sandbox_jobs(spec: RewardSpec) -> int:
     return 0
 
 
+def judge_urls(spec: RewardSpec, where: str) -> list[tuple[str, str]]:
+    """``(field path, url)`` of every judge spec in ``spec`` that names a url."""
+    if isinstance(spec, JudgeSpec):
+        return [(f"{where}.url", spec.url)] if spec.url is not None else []
+    if isinstance(spec, CombinedSpec):
+        return [found for i, p in enumerate(spec.parts) for found in judge_urls(p.spec, f"{where}.parts.{i}.spec")]
+    return []
+
+
 class Scorer:
-    def __init__(self, queue: ExecQueue, math: MathVerifier, judge: Judge, registry: CollectorRegistry) -> None:
+    def __init__(self, queue: ExecQueue, math: MathVerifier, judge: Judge, registry: CollectorRegistry, *,
+                 regex_timeout_s: float = text.REGEX_TIMEOUT_S) -> None:
         self.queue, self.math, self.judge = queue, math, judge
+        self.regex_timeout_s = regex_timeout_s
         self.m_scored = Counter("reward_scored", "Scored items by type and status", ["type", "status"],
                                 registry=registry)
 
+    def check(self, items: list[ScoreItem]) -> None:
+        """Raise a 422 :class:`ServiceError` naming the first judge url the server will not call."""
+        for i, item in enumerate(items):
+            for field, url in judge_urls(item.spec, f"items.{i}.spec"):
+                try:
+                    self.judge.check_url(url)
+                except UrlRefused as e:
+                    loc = ["body", *(int(p) if p.isdigit() else p for p in field.split("."))]
+                    raise ServiceError(422, f"{field}: {e}",
+                                       errors=[{"loc": loc, "msg": str(e), "type": "url_refused"}]) from e
+
     async def score_all(self, items: list[ScoreItem]) -> list[ScoreResult]:
+        self.check(items)
         results = await asyncio.gather(*(self.score(i.id, i.completion, i.spec) for i in items))
         for item, result in zip(items, results, strict=True):
             self.m_scored.labels(item.spec.type, result.status).inc()
@@ -60,7 +90,7 @@ class Scorer:
         if isinstance(spec, NumericSpec):
             return text.numeric(item_id, completion, spec)
         if isinstance(spec, RegexSpec):
-            return text.regex(item_id, completion, spec)
+            return await text.regex(item_id, completion, spec, self.regex_timeout_s)
         if isinstance(spec, PythonTestsSpec):
             python = self.queue.sandbox.python if self.queue.sandbox else "python3"
             return await code.score(item_id, completion, spec, self.queue.run, python)

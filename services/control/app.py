@@ -9,7 +9,8 @@ status, metrics and dashboard routes read back.
 
 Errors map to statuses in one place (:func:`_errors`): unknown prompt set or
 run 404, a second active run or an impossible transition 409, bad input 422
-(naming the line or field), uploads over ``max_prompt_set_bytes`` 413.
+(naming the line or field), uploads over ``max_prompt_set_bytes`` 413, and
+past ``max_stored_prompt_set_bytes`` for all sets together 507 (``services.control.prompt_sets``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from services.config import ConfigError, RunConfig, parse_run_config
 from services.control.dashboard import router as dashboard_router
 from services.control.groups import build_groups, enqueue
 from services.control.prompt_sets import PromptSetStore
-from services.promptsets import LineError, LineParser
+from services.promptsets import LineError
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
 from services.settings import ControlSettings
 from services.wire import (
@@ -77,7 +78,7 @@ async def upload_prompt_set(
     request: Request,
     default_type: Annotated[str, Query(description="Reward type untyped lines are checked against.")] = "math",
 ) -> PromptSetInfo:
-    """Validate line by line (422 names each bad line and field), then store all lines or none."""
+    """Validate line by line off the event loop (422 names each bad line and field), then store all lines or none."""
     if default_type not in REWARD_TYPES or default_type == "combined":
         raise ServiceError(422, f"default_type: unknown reward type {default_type!r}")
     content_type = request.headers.get("content-type", "application/x-ndjson").split(";")[0].strip().lower()
@@ -85,14 +86,7 @@ async def upload_prompt_set(
         raise ServiceError(415, f"send JSON lines as application/x-ndjson, not {content_type}")
     if request.headers.get("content-encoding", "identity").lower() != "identity":
         raise ServiceError(415, "send the prompt set uncompressed (no Content-Encoding)")
-    parser = LineParser(default_type)
-    try:
-        async for chunk in request.stream():
-            parser.feed(chunk)
-        lines = parser.finish()
-    except LineError as e:
-        raise ServiceError(422, str(e), errors=e.errors) from None
-    return await _state(request).prompt_sets.save(lines, parser.nbytes, parser.types)
+    return await _state(request).prompt_sets.upload(request.stream(), default_type)
 
 
 @router.get("/prompt-sets/{set_id}", response_model=PromptSetInfo, summary="A stored prompt set's meta")
@@ -226,7 +220,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
         redis: aioredis.Redis = connect(settings.redis_url or embedded.url)
         app.state.redis = redis
         app.state.runs = RunStore(redis)
-        app.state.prompt_sets = PromptSetStore(redis)
+        app.state.prompt_sets = PromptSetStore(redis, settings)
         try:
             yield
         finally:
@@ -248,6 +242,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
         health=health,
         body_limits={PROMPT_SETS_PATH: limit},
         cookie_login_path="/",
+        session_max_age_s=settings.session_max_age_s,
     )
     app.state.default_config = config.model_dump(mode="json") if config is not None else None
     _errors(app)

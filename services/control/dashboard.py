@@ -1,7 +1,9 @@
 """The control plane's browser dashboard: ``GET /`` and its static files.
 
 Who talks to whom: a browser loads ``/`` (``/?token=T`` once to get a
-read-only session cookie, see ``services.app``), then the page's script
+read-only session cookie, valid ``TANDEM_CONTROL_SESSION_MAX_AGE_S``, 12 h
+by default, and accepted by the control plane only; see ``services.app``;
+the page then signs in again), then the page's script
 polls this control plane's own JSON routes — ``/v1/runs``, ``/v1/runs/{id}``
 and ``/v1/runs/{id}/metrics?since=`` — and draws the charts with uPlot
 (``static/uPlot.iife.min.js``, vendored, MIT, see ``static/uPlot.LICENSE``).

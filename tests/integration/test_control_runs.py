@@ -297,3 +297,25 @@ async def _drain(ticks) -> None:
 
 async def _collect(ticks) -> list:
     return [t async for t in ticks]
+
+
+async def test_a_cancellation_the_redis_client_loses_still_ends_the_watcher(control_redis):
+    # redis-py 8.1 on Python 3.11 can swallow a cancellation that lands inside a command (seen under
+    # load: wait_for(watcher.next(), 0.3) hung for good); the watcher must still end
+    class SwallowingStore(RunStore):
+        async def active(self):
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass  # what the client does: the command completes, the cancellation is gone
+            return await super().active()
+
+    stop = threading.Event()
+    runs = RunWatcher(SwallowingStore(control_redis), poll_s=0.02, stop=stop)
+    task = asyncio.create_task(runs.next())
+    await asyncio.sleep(0.1)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=3)
+    stop.set()  # lets a watcher that lost the cancellation end, so a failure does not hang the session
+    await asyncio.wait({task}, timeout=3)
+    assert task in done and task.cancelled()

@@ -24,8 +24,9 @@ pytestmark = [
 
 async def test_rollout_server_loads_a_published_version(one_rank_runs, rollout_server, weight_versions, hf_logprobs,
                                                         tmp_path):
-    """Through the real rollout server (session vLLM engine, tied tiny model): POST /v1/weights
-    with the learner's published version, then its samples' log-probs equal the learner's."""
+    """Through the real rollout server (session vLLM engine, tied tiny model): the learner's version,
+    written in the server's weight store (``<run dir>/<run>/weights``) and registered as the learner
+    publishes it, loads by POST /v1/weights; then its samples' log-probs equal the learner's."""
     import httpx
     from safetensors.torch import load_file
 
@@ -34,7 +35,9 @@ async def test_rollout_server_loads_a_published_version(one_rank_runs, rollout_s
     run = one_rank_runs["zero3"]  # two ZeRO-3 steps on the session's tiny model; weights gathered
     report = json.loads(run.with_name(run.name + ".json").read_text())
     version = weight_versions.next_version()
-    written = store.write_version(tmp_path / "weights", version, load_file(run), step=2)
+    weights = weight_versions.root / f"learner-{tmp_path.name}" / "weights"  # learner.trainer.Paths' layout
+    written = store.write_version(weights, version, load_file(run), step=2)
+    weight_versions.register(version, written.path, written.sha256)  # as the learner's registry.publish
     weight_versions.dirs[version] = written.path  # the shared engine serves it from now on: later tests look it up
     # the learner's own (DeepSpeed) log-probs of a fixed sequence are what its published weights give
     probe = report["probe"]

@@ -45,9 +45,10 @@ async def test_submissions_cannot_see_each_other(sandbox):
 
 async def test_stdin_files_and_several_runs(sandbox):
     job = Job(
-        files={"solution.py": "import sys\nprint(sum(map(int, sys.stdin.read().split())))",
-               "tests.json": json.dumps(["assert 1 + 1 == 2", "assert False", "assert undefined_name"])},
-        runs=[python_run(sandbox.python, "solution.py", "1 2 3"), harness_run(sandbox.python),
+        files={"solution.py": "import sys\nprint(sum(map(int, sys.stdin.read().split())))"},
+        runs=[python_run(sandbox.python, "solution.py", "1 2 3"),
+              harness_run(sandbox.python, ["assert 1 + 1 == 2", "assert False", "assert undefined_name"],
+                          LIMITS.wall_s),
               Run(argv=[sandbox.python, "-I", "-c", "import sys; sys.exit(4)"])],
         limits=LIMITS,
     )

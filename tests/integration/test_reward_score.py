@@ -88,6 +88,25 @@ async def test_python_tests(gvisor_server):
     assert (got["slow"]["reward"], got["slow"]["status"]) == (0.75, "timeout")
 
 
+async def test_python_tests_verdicts_cannot_be_forged(gvisor_server):
+    # The three hacks found by hand against the shipped server: fake verdict lines then os._exit(0),
+    # an object equal to everything, a patched json.dumps. Each scored 1.0 with the in-process harness.
+    fake = "".join(f'{{"i": {i}, "ok": true}}\n' for i in range(4))
+    hacks = {
+        "fake-lines": f"import os\nfor fd in range(3, 16):\n    try:\n        os.write(fd, {fake!r}.encode())\n"
+                      "    except OSError:\n        pass\nos._exit(0)\n",
+        "always-equal": "class E:\n    def __eq__(self, other):\n        return True\ndef double(x):\n    return E()\n",
+        "json": "import json\n_d = json.dumps\njson.dumps = lambda o, *a, **k: _d(dict(o, ok=True) if isinstance(o, dict) "
+                "and 'ok' in o else o, *a, **k)\ndef double(x):\n    return 0\n",
+    }
+    spec = {"type": "python_tests", "tests": TESTS[:1] + TESTS[2:], "extract": "whole"}
+    items = [{"id": "honest", "completion": FENCED_DOUBLE, "spec": {**spec, "extract": "fenced"}}]
+    items += [{"id": name, "completion": program, "spec": spec} for name, program in hacks.items()]
+    got = {r["id"]: (r["reward"], r["status"]) for r in await score(gvisor_server, items)}
+    assert got["honest"] == (1.0, "ok"), got
+    assert all(got[name][0] == 0.0 and got[name][1] != "ok" for name in hacks), got
+
+
 def scripted_judge_app() -> FastAPI:
     """A stand-in OpenAI-compatible judge (named as such): scores 8 if the answer says 'Paris'."""
     app = FastAPI()
@@ -124,15 +143,19 @@ async def serve_judge():
         await task
 
 
-async def test_judge(gvisor_server):
-    async with serve_judge() as url:
-        spec = {"type": "judge", "url": url, "prompt": "Capital of France?", "reference": "Paris"}
-        items = [
-            {"id": "good", "completion": "It is Paris.", "spec": spec},
-            {"id": "bad", "completion": "It is Lyon.", "spec": spec},
-            {"id": "unparsable", "completion": "BROKEN", "spec": spec},
-            {"id": "down", "completion": "Paris", "spec": {**spec, "url": "http://127.0.0.1:9"}},
-        ]
-        got = {r["id"]: (r["reward"], r["status"]) for r in await score(gvisor_server, items)}
+async def test_judge(reward_app):
+    # A spec may name only an allow-listed judge URL (test_reward_judge.py); here the server's own judge serves.
+    spec = {"type": "judge", "prompt": "Capital of France?", "reference": "Paris"}
+    items = [
+        {"id": "good", "completion": "It is Paris.", "spec": spec},
+        {"id": "bad", "completion": "It is Lyon.", "spec": spec},
+        {"id": "unparsable", "completion": "BROKEN", "spec": spec},
+    ]
+    async with serve_judge() as url, reward_app(sandbox="none", judge_url=url) as (_app, client):
+        resp = await client.post("/v1/score", json={"items": items})
+        got = {r["id"]: (r["reward"], r["status"]) for r in resp.json()["results"]}
+    async with reward_app(sandbox="none", judge_url="http://127.0.0.1:9") as (_app, client):
+        resp = await client.post("/v1/score", json={"items": [{"id": "down", "completion": "Paris", "spec": spec}]})
+        got.update({r["id"]: (r["reward"], r["status"]) for r in resp.json()["results"]})
     assert got["good"] == (0.8, "ok") and got["bad"] == (0.2, "ok")
     assert got["unparsable"] == (None, "judge_error") and got["down"] == (None, "judge_error")

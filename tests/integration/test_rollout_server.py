@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import shutil
+import time
 
 import httpx
 import pytest
@@ -158,8 +159,9 @@ async def test_over_capacity_is_503_with_retry_after(rollout_engine, serve_app):
     from rollout_server import build_app
     from rollout_server.settings import RolloutSettings
 
-    settings = RolloutSettings(token=SecretStr("t"), max_n=8, max_pending_seqs=8, redis_url=None)
-    async with serve_app(build_app(settings, engine=rollout_engine), token="t") as server:
+    token = "capacity-test-token"  # services.settings.MIN_TOKEN_CHARS
+    settings = RolloutSettings(token=SecretStr(token), max_n=8, max_pending_seqs=8, redis_url=None)
+    async with serve_app(build_app(settings, engine=rollout_engine), token=token) as server:
         async with await _client(server) as c:
             body = {"prompt": PROMPT, "n": 8, "max_tokens": 200, "temperature": 1.0}
             rs = await asyncio.gather(*[c.post("/v1/generate", json=body) for _ in range(3)])
@@ -206,35 +208,49 @@ async def test_weight_reload_changes_outputs_and_tags(rollout_server, weight_ver
         assert "tandem_rollout_generated_tokens_total" in metrics
 
 
+def _published(weight_versions, version: int, path, sha256: str | None = None) -> dict:
+    """Register ``path`` as ``version`` (its own digest unless ``sha256``); the matching request body."""
+    from services.weightstore import digest
+
+    sha256 = sha256 or digest(path)
+    weight_versions.register(version, path, sha256)
+    return {"version": version, "uri": str(path), "sha256": sha256}
+
+
 async def test_bad_checkpoints_are_refused_and_old_weights_keep_serving(rollout_server, weight_versions, tmp_path):
+    """Versions the registry holds (the learner published them) but whose files are wrong."""
     from examples.tiny import tiny_qwen3
 
+    store = weight_versions.root / f"bad-{tmp_path.name}"  # inside the server's weight store
+    store.mkdir()
     async with await _client(rollout_server) as c:
         v = await _version(c)
         probe = dict(prompt=PROMPT, n=1, max_tokens=24, temperature=1.0, seed=12)
         before = await _generate(c, **probe)
         good = weight_versions.make(seed=103)
 
-        # missing directory
-        r = await c.post("/v1/weights", json={"version": good.version, "uri": str(tmp_path / "nope")})
+        # missing directory (published, then deleted)
+        r = await c.post("/v1/weights", json=_published(weight_versions, good.version, store / "nope", good.sha256))
         assert r.status_code == 404, r.text
-        # checksum mismatch
-        r = await c.post("/v1/weights", json={**good.model_dump(), "sha256": "0" * 64})
+        # checksum mismatch (the files changed after the publish)
+        r = await c.post("/v1/weights", json=_published(weight_versions, good.version,
+                                                        weight_versions.dir_of(good.version), "0" * 64))
         assert r.status_code == 422 and "checksum" in r.json()["detail"], r.text
-        # truncated file (no checksum given: caught by the header check)
-        broken = tmp_path / "truncated"
+        # truncated file (published with its own checksum: caught by the header check)
+        broken = store / "truncated"
         broken.mkdir()
         src = weight_versions.weights_of_seed(103) / "model.safetensors"
         (broken / "model.safetensors").write_bytes(src.read_bytes()[: src.stat().st_size // 2])
-        r = await c.post("/v1/weights", json={"version": good.version, "uri": str(broken)})
+        r = await c.post("/v1/weights", json=_published(weight_versions, good.version, broken))
         assert r.status_code == 422, r.text
         # a model of another shape
-        other = tiny_qwen3(tmp_path / "other", hidden=96, seed=5)
-        r = await c.post("/v1/weights", json={"version": good.version, "uri": str(other)})
+        other = tiny_qwen3(store / "other", hidden=96, seed=5)
+        r = await c.post("/v1/weights", json=_published(weight_versions, good.version, other))
         assert r.status_code == 422 and "shape" in r.json()["detail"], r.text
         # unsupported scheme
-        r = await c.post("/v1/weights", json={"version": good.version, "uri": "s3://bucket/v1"})
-        assert r.status_code == 422, r.text
+        r = await c.post("/v1/weights", json={**good.model_dump(), "uri": "s3://bucket/v1"})
+        assert r.status_code == 422 and r.json()["detail"].startswith("uri:"), r.text
+        weight_versions.register(good.version, weight_versions.dir_of(good.version), good.sha256)
 
         assert await _version(c) == v
         after = await _generate(c, **probe)
@@ -282,13 +298,15 @@ async def test_version_tags_are_true_under_reloads_during_generation(rollout_ser
 
 async def test_missing_weight_copy_does_not_break_later_loads(rollout_server, weight_versions, tmp_path):
     """A version directory deleted after it was published is a 404, the next one loads."""
+    store = weight_versions.root / f"copies-{tmp_path.name}"
     async with await _client(rollout_server) as c:
         gone = weight_versions.make(seed=106)
-        moved = tmp_path / "moved"
+        moved = store / "moved"
         shutil.copytree(weight_versions.dir_of(gone.version), moved)
-        r = await c.post("/v1/weights", json={**gone.model_dump(), "uri": str(tmp_path / "deleted")})
+        r = await c.post("/v1/weights", json=_published(weight_versions, gone.version, store / "deleted", gone.sha256))
         assert r.status_code == 404
-        r = await c.post("/v1/weights", json={**gone.model_dump(), "uri": moved.as_uri()})
+        body = _published(weight_versions, gone.version, moved, gone.sha256)
+        r = await c.post("/v1/weights", json={**body, "uri": moved.as_uri()})
         assert r.status_code == 200 and r.json()["version"] == gone.version
 
 
@@ -338,3 +356,129 @@ async def test_a_reload_cancelled_half_way_still_finishes_and_generation_resumes
     out = await asyncio.wait_for(engine.generate(ids, Sampling(n=2, max_tokens=8)), 60)
     assert len(out.samples) == 2
     assert engine.version == req.version and {s.policy_version for s in out.samples} == {req.version}
+
+
+# -- what POST /v1/weights accepts: published versions in the weight store only (issue 12) -----
+
+
+async def test_a_version_needs_its_sha256(rollout_server, weight_versions):
+    async with await _client(rollout_server) as c:
+        v = await _version(c)
+        req = weight_versions.make(seed=111)
+        r = await c.post("/v1/weights", json={"version": req.version, "uri": req.uri})
+        assert r.status_code == 422, r.text
+        assert [e["loc"] for e in r.json()["detail"]] == [["body", "sha256"]]
+        assert await _version(c) == v
+
+
+async def test_paths_outside_the_weight_store_are_refused(rollout_server, weight_versions, tmp_path):
+    """Any readable directory, or a symlink in the store that points out of it, is 403 naming uri,
+    even when the registry holds that very path (the store's root is what bounds the reads)."""
+    async with await _client(rollout_server) as c:
+        v = await _version(c)
+        req = weight_versions.make(seed=112)
+        outside = tmp_path / "outside"
+        shutil.copytree(weight_versions.dir_of(req.version), outside)
+        link = weight_versions.root / f"link-{tmp_path.name}"
+        link.symlink_to(outside, target_is_directory=True)
+        linked_file = weight_versions.root / f"file-link-{tmp_path.name}"
+        linked_file.mkdir()
+        (linked_file / "model.safetensors").symlink_to(outside / "model.safetensors")
+        for path in (outside, link, linked_file):
+            body = _published(weight_versions, req.version, path, req.sha256)
+            r = await c.post("/v1/weights", json=body)
+            assert r.status_code == 403, (path, r.text)
+            assert r.json()["detail"].startswith("uri:") and "outside the weight store" in r.json()["detail"]
+        r = await c.post("/v1/weights", json={**req.model_dump(), "uri": "/etc"})
+        assert r.status_code == 403 and r.json()["detail"].startswith("uri:"), r.text
+        assert await _version(c) == v
+        weight_versions.register(req.version, weight_versions.dir_of(req.version), req.sha256)
+        r = await c.post("/v1/weights", json=req.model_dump())
+        assert r.status_code == 200 and r.json()["version"] == req.version, r.text
+
+
+async def test_only_published_versions_load_and_a_huge_one_cannot_stall_training(rollout_server, weight_versions,
+                                                                                 tmp_path):
+    """Version 10^12 (or any version the registry lacks) is refused; so is a published version named
+    with another path or checksum; the learner's next real version still loads afterwards."""
+    from services.wire import LoadWeights
+
+    async with await _client(rollout_server) as c:
+        v = await _version(c)
+        real = weight_versions.make(seed=113)
+        huge = LoadWeights(version=10**12, uri=real.uri, sha256=real.sha256)  # real files, real checksum
+        r = await c.post("/v1/weights", json=huge.model_dump())
+        assert r.status_code == 403, r.text
+        assert r.json()["detail"].startswith(f"version: {10**12} was not published"), r.text
+        # a copy of the published files elsewhere in the store is not what was published
+        copy = weight_versions.root / f"copy-{tmp_path.name}"
+        shutil.copytree(weight_versions.dir_of(real.version), copy)
+        r = await c.post("/v1/weights", json={**real.model_dump(), "uri": str(copy)})
+        assert r.status_code == 403 and r.json()["detail"].startswith("uri:"), r.text
+        other = weight_versions.make(seed=114, version=real.version + 1)  # a valid checksum, of other weights
+        r = await c.post("/v1/weights", json={**real.model_dump(), "sha256": other.sha256})
+        assert r.status_code == 403 and r.json()["detail"].startswith("sha256:"), r.text
+        assert await _version(c) == v
+        # training does not stall: the published versions load, in order
+        for req in (real, other):
+            r = await c.post("/v1/weights", json=req.model_dump())
+            assert r.status_code == 200 and r.json()["version"] == req.version, r.text
+
+
+async def test_without_a_registry_no_version_is_loaded(rollout_engine, serve_app, weight_versions):
+    from pydantic import SecretStr
+
+    from rollout_server import build_app
+    from rollout_server.settings import RolloutSettings
+
+    token = "no-registry-test-token"
+    settings = RolloutSettings(token=SecretStr(token), redis_url=None, run_dir=weight_versions.root)
+    async with serve_app(build_app(settings, engine=rollout_engine), token=token) as server:
+        async with await _client(server) as c:
+            v = await _version(c)
+            req = weight_versions.make(seed=115)
+            r = await c.post("/v1/weights", json=req.model_dump())
+            assert r.status_code == 409 and r.json()["detail"].startswith("version:"), r.text
+            assert await _version(c) == v
+
+
+async def test_without_a_run_id_the_newest_run_speaks(rollout_engine, serve_app, weight_versions, redis_url,
+                                                      tmp_path):
+    """`tandem up` and the main job: the server has no TANDEM_RUN_ID; the newest run's registry counts
+    (the main job makes the server load its final version after the run finished)."""
+    import re
+
+    from pydantic import SecretStr
+
+    from broker import Keys, WeightRegistry, WeightVersion, connect
+    from rollout_server import build_app
+    from rollout_server.settings import RolloutSettings
+    from services.runs import RunStore
+    from tests.fixtures.control import run_config
+
+    url = re.sub(r"(/\d+)?$", "/6", redis_url, count=1)
+    redis = connect(url)
+    await redis.flushdb()
+    token = "newest-run-test-token"
+    try:
+        # the run trains a model this server does not serve: its follower leaves it alone
+        older, newer = f"older-{tmp_path.name[-8:]}", f"newer-{tmp_path.name[-8:]}"
+        store = RunStore(redis)
+        await store.create(older, "set", run_config())
+        await store.set_state(older, "failed", error="test")
+        await store.create(newer, "set", run_config())
+        req = weight_versions.make(seed=116)
+        record = WeightVersion(version=req.version, uri=str(weight_versions.dir_of(req.version)),
+                               sha256=req.sha256, created_at=time.time())
+        await WeightRegistry(redis, Keys(older)).publish(record)
+        settings = RolloutSettings(token=SecretStr(token), redis_url=url, run_dir=weight_versions.root)
+        async with serve_app(build_app(settings, engine=rollout_engine), token=token) as server:
+            async with await _client(server) as c:
+                r = await c.post("/v1/weights", json=req.model_dump())
+                assert r.status_code == 403 and f"run {newer}" in r.json()["detail"], r.text
+                await WeightRegistry(redis, Keys(newer)).publish(record)
+                r = await c.post("/v1/weights", json=req.model_dump())
+                assert r.status_code == 200 and r.json()["version"] == req.version, r.text
+    finally:
+        await redis.flushdb()
+        await redis.aclose()

@@ -4,17 +4,25 @@ There is no Docker engine here, so the file is parsed and each service's
 command is parsed by the real ``tandem`` CLI (typer/click), its port is
 compared with its health check and with the URLs the other services use,
 and every ``TANDEM_*`` variable must be read by the settings class of the
-service it is given to.
+service it is given to. The security of the file is checked too: Redis requires a
+password that no command line shows, and the reward container (untrusted code)
+gets no runs volume and no Redis. The Redis config the file holds is fed to a real
+``redis-server``.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import shutil
+import socket
+import subprocess
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
+import redis as redis_sync
 import typer.main
 import yaml
 
@@ -29,6 +37,24 @@ TANDEM = {name: spec for name, spec in SERVICES.items() if spec.get("command", [
 ONE_SHOT = {name: spec for name, spec in SERVICES.items() if name != "redis" and name not in TANDEM}
 OTHER_VARIABLES = {"REDIS_URL"}
 URL_VARIABLES = {"TANDEM_ROLLOUT_REWARD_URL": "reward"}
+UNTRUSTED = "reward"  # runs model-written code: no runs volume, no Redis
+SECRETS = {"TANDEM_TOKEN": "compose-token-" + "t" * 32, "TANDEM_REWARD_TOKEN": "reward-token-" + "r" * 32,
+           "REDIS_PASSWORD": "ab12" * 16}
+"""What the operator's .env would hold, for interpolation."""
+
+
+def interpolate(value: str, env: dict[str, str] = SECRETS) -> str:
+    """Compose's variable interpolation: ``${V}``, ``${V:-default}``, ``${V:?error}``, ``$$``."""
+    def one(match: re.Match) -> str:
+        name, op, arg = match["name"], match["op"], match["arg"]
+        if env.get(name) or (name in env and op is None):
+            return env[name]
+        if op == ":?":
+            raise KeyError(f"{name}: {arg}")  # compose refuses to start
+        return arg if op == ":-" else ""
+
+    out = re.sub(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}", one, value)
+    return out.replace("$$", "$")
 
 
 def settings_class(name: str):
@@ -66,6 +92,7 @@ def test_every_service_of_the_architecture_is_there():
     assert set(TANDEM) == {s.value for s in ServiceName} == {s.value for s in SERVICE_PACKAGES}
     assert SERVICES["redis"]["image"].startswith("redis:7")
     assert "--appendonly" in SERVICES["redis"]["command"]
+    assert set(SERVICES) == set(TANDEM) | set(ONE_SHOT) | {"redis"}
     assert SERVICES["redis"]["command"][SERVICES["redis"]["command"].index("--appendonly") + 1] == "yes"
 
 
@@ -116,9 +143,9 @@ def test_port_matches_health_check_and_exposure(name):
 
 
 def settings_from(name: str, environment: dict, monkeypatch):
-    """The settings container ``name`` would load from ``environment`` (compose interpolation left out)."""
+    """The settings container ``name`` would load from ``environment``, interpolated as compose does."""
     for variable, value in environment.items():
-        monkeypatch.setenv(variable, "compose-token" if variable == "TANDEM_TOKEN" else str(value))
+        monkeypatch.setenv(variable, interpolate(str(value)))
     return settings_class(name)()
 
 
@@ -131,12 +158,16 @@ def test_every_variable_is_a_setting(name, monkeypatch):
             assert variable in known, f"{name}: {variable} is not read by {settings_class(name).__name__}"
         else:
             assert variable in OTHER_VARIABLES, f"{name}: unexpected variable {variable}"
-    assert "TANDEM_TOKEN" in environment and "${TANDEM_TOKEN:?" in environment["TANDEM_TOKEN"]
-    redis = urlparse(environment["REDIS_URL"])
-    assert (redis.hostname, redis.port) == ("redis", 6379)
+    expected = "TANDEM_REWARD_TOKEN" if name == UNTRUSTED else "TANDEM_TOKEN"
+    assert "TANDEM_TOKEN" in environment and f"${{{expected}:?" in environment["TANDEM_TOKEN"]
     # and the values load as settings (a list must be JSON, a size an int, ...)
     settings = settings_from(name, environment, monkeypatch)
-    assert settings.redis_url == environment["REDIS_URL"]
+    if name == UNTRUSTED:
+        return
+    redis = urlparse(interpolate(environment["REDIS_URL"]))
+    assert (redis.scheme, redis.hostname, redis.port) == ("redis", "redis", 6379)
+    assert redis.password == SECRETS["REDIS_PASSWORD"]
+    assert settings.redis_url == interpolate(environment["REDIS_URL"])
     assert str(settings.run_dir) == environment["TANDEM_RUN_DIR"]
 
 
@@ -162,12 +193,102 @@ def test_reward_runs_under_gvisor_and_gpu_services_reserve_a_gpu():
 
 
 def test_weights_volume_is_shared_by_learner_and_rollout():
-    mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in spec["volumes"]} for name, spec in TANDEM.items()}
-    assert mounts["learner"]["/runs"] == mounts["rollout"]["/runs"] == "runs"
+    trusted = {name: spec for name, spec in TANDEM.items() if name != UNTRUSTED}
+    mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in spec["volumes"]} for name, spec in trusted.items()}
+    assert mounts["learner"]["/runs"] == mounts["rollout"]["/runs"] == mounts["control"]["/runs"] == "runs"
     assert "runs" in COMPOSE["volumes"]
-    for name, spec in TANDEM.items():
+    for name, spec in trusted.items():
         assert spec["environment"]["TANDEM_RUN_DIR"] == "/runs", name
         assert spec["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_the_reward_container_gets_no_runs_volume_and_no_redis():
+    """It runs model-written code: with the runs volume it could rewrite checkpoints the learner
+    unpickles, weights the rollout server serves; with REDIS_URL it could forge trajectories."""
+    spec = TANDEM[UNTRUSTED]
+    assert "volumes" not in spec and "depends_on" not in spec
+    assert "REDIS_URL" not in spec["environment"] and "TANDEM_RUN_DIR" not in spec["environment"]
+    assert not any("REDIS_PASSWORD" in str(v) for v in spec["environment"].values())
+
+
+def test_the_reward_server_has_a_token_of_its_own(monkeypatch):
+    """A sandbox escape in the reward container finds only a token that the reward server accepts:
+    the full-scope TANDEM_TOKEN is not there, and no other service accepts the reward token."""
+    reward = TANDEM[UNTRUSTED]["environment"]
+    assert not any("${TANDEM_TOKEN" in str(v) for v in reward.values())
+    assert interpolate(reward["TANDEM_TOKEN"]) == SECRETS["TANDEM_REWARD_TOKEN"]
+    for name, spec in {**TANDEM, **ONE_SHOT}.items():
+        if name == UNTRUSTED:
+            continue
+        accepted = {k: v for k, v in spec["environment"].items() if k in ("TANDEM_TOKEN", "TANDEM_TOKENS")}
+        assert not any("TANDEM_REWARD_TOKEN" in str(v) for v in accepted.values()), name
+    rollout = settings_from("rollout", TANDEM["rollout"]["environment"], monkeypatch)
+    assert rollout.reward_bearer == SECRETS["TANDEM_REWARD_TOKEN"]  # what it sends to the reward server
+    assert rollout.token.get_secret_value() == SECRETS["TANDEM_TOKEN"]  # what it accepts
+
+
+def _redis_conf() -> str:
+    [mount] = SERVICES["redis"]["configs"]
+    return interpolate(COMPOSE["configs"][mount["source"]]["content"])
+
+
+def test_redis_requires_a_password_that_no_command_line_shows():
+    redis = SERVICES["redis"]
+    command = " ".join(redis["command"])
+    assert "requirepass" not in command and "REDIS_PASSWORD" not in command
+    [mount] = redis["configs"]
+    assert redis["command"][:2] == ["redis-server", mount["target"]]
+    content = COMPOSE["configs"][mount["source"]]["content"]
+    assert "requirepass ${REDIS_PASSWORD:?" in content
+    for disabled in ("CONFIG", "DEBUG", "MODULE"):
+        assert f'rename-command {disabled} ""' in content
+    # the health check authenticates from the environment, not argv
+    assert "${REDIS_PASSWORD:?" in redis["environment"]["REDISCLI_AUTH"]
+    assert "REDIS_PASSWORD" not in " ".join(redis["healthcheck"]["test"])
+    for name, spec in {**TANDEM, **ONE_SHOT}.items():
+        if name != UNTRUSTED:
+            assert "${REDIS_PASSWORD:?" in spec["environment"]["REDIS_URL"], name
+    with pytest.raises(KeyError, match="REDIS_PASSWORD"):
+        interpolate(content, {})  # compose refuses to start without it
+
+
+def _reply(port: int, command: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(command + b"\r\n")
+        return s.recv(256)
+
+
+def test_a_real_redis_server_enforces_the_compose_config(tmp_path):
+    """The config and command line of the redis container, on Debian's redis-server 7."""
+    from broker.embedded import server_version
+    from broker.processes import die_with_parent, free_port, stop_group
+
+    binary = shutil.which("redis-server")
+    if binary is None or server_version(binary) < (7, 0, 0):
+        pytest.skip("needs redis-server 7 on PATH (the image is redis:7)")
+    config = tmp_path / "tandem.conf"
+    config.write_text(_redis_conf())
+    port = free_port()
+    args = [binary, str(config), *SERVICES["redis"]["command"][2:], "--port", str(port), "--dir", str(tmp_path)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent)
+    try:
+        url = f"redis://:{SECRETS['REDIS_PASSWORD']}@127.0.0.1:{port}/0"
+        client = redis_sync.Redis.from_url(url, retry=None)
+        for _ in range(200):
+            try:
+                assert client.ping()
+                break
+            except redis_sync.ConnectionError:
+                assert proc.poll() is None, "redis-server refused the compose config"
+                time.sleep(0.05)
+        assert _reply(port, b"PING").startswith(b"-NOAUTH")
+        with pytest.raises(redis_sync.ResponseError, match="unknown command"):
+            client.execute_command("CONFIG", "SET", "dir", str(tmp_path / "elsewhere"))
+        assert client.info("persistence")["aof_enabled"] == 1  # the command line's flags still apply
+        client.close()
+    finally:
+        stop_group(proc, grace_s=5)
 
 
 def test_dockerfile_copies_what_exists():

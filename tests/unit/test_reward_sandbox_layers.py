@@ -9,7 +9,7 @@ import reward_server.sandbox as sandbox_package
 
 PACKAGE = Path(sandbox_package.__file__).parent
 BACKENDS = {"gvisor", "bwrap", "modal", "local"}
-SHARED = {"base", "runtime", "pool", "guest"}
+SHARED = {"base", "runtime", "pool", "guest", "cgroup", "seccomp", "blame"}
 
 
 def imported_sandbox_modules(path: Path) -> set[str]:

@@ -51,10 +51,31 @@ def test_exact_and_numeric(completion, spec, expected):
     assert (result.reward, result.status) == expected
 
 
-def test_regex_modes():
-    assert text.regex("i", "<a>x</a>", RegexSpec(pattern="<a>.*</a>", mode="fullmatch")).reward == 1.0
-    assert text.regex("i", "say <a>x</a>", RegexSpec(pattern="<a>.*</a>", mode="fullmatch")).reward == 0.0
-    assert text.regex("i", "say <a>x</a>", RegexSpec(pattern="<a>.*</a>")).reward == 1.0
+async def test_regex_modes():
+    assert (await text.regex("i", "<a>x</a>", RegexSpec(pattern="<a>.*</a>", mode="fullmatch"))).reward == 1.0
+    assert (await text.regex("i", "say <a>x</a>", RegexSpec(pattern="<a>.*</a>", mode="fullmatch"))).reward == 0.0
+    assert (await text.regex("i", "say <a>x</a>", RegexSpec(pattern="<a>.*</a>"))).reward == 1.0
+    assert (await text.regex("i", "<a>\nx</a>", RegexSpec(pattern="^<a>.*</a>$"))).reward == 1.0  # DOTALL
+
+
+async def test_regex_backtracking_ends_in_timeout_within_the_bound():
+    import time
+
+    t0 = time.monotonic()
+    slow = await text.regex("i", "a" * 60 + "b", RegexSpec(pattern="(a|aa)+$"), timeout_s=0.3)
+    assert (slow.reward, slow.status) == (0.0, "timeout") and "0.3 s" in slow.detail
+    assert time.monotonic() - t0 < 5
+    # re backtracks on this one for hours; regex answers at once
+    nested = await text.regex("i", "a" * 40 + "b", RegexSpec(pattern="(a+)+$"), timeout_s=0.3)
+    assert (nested.reward, nested.status) == (0.0, "wrong_answer")
+
+
+async def test_last_match_is_the_last_and_bounded():
+    found = await text.last_match(r"Score:\s*(\d+)", "Score: 10 ... Score: 3", timeout_s=1)
+    assert found is not None and found.group(1) == "3"
+    assert await text.last_match(r"x", "abc", timeout_s=1) is None
+    with pytest.raises(TimeoutError):  # millions of quick matches still share one deadline
+        await text.last_match(r"a", "a" * 3_000_000, timeout_s=0.2)
 
 
 def outcome(status="ok", stdout="", results=None) -> RunOutcome:
@@ -65,7 +86,7 @@ def outcome(status="ok", stdout="", results=None) -> RunOutcome:
 def test_python_tests_verdicts():
     spec = PythonTestsSpec(tests=["t0", "t1"], io=[IOCase(stdin="", stdout="a\nb")])
     job = code.build_job("print(1)", spec, "/usr/bin/python3")
-    assert [r.results for r in job.runs] == [True, False] and set(job.files) == {"solution.py", "tests.json"}
+    assert [r.results for r in job.runs] == [True, False] and set(job.files) == {"solution.py"}
     passed = [{"i": 0, "ok": True}, {"i": 1, "ok": True}]
     assert code.judge(spec, [outcome(results=passed), outcome(stdout="a  \nb\n\n")]) == (1.0, "ok", "")
     reward, status, _ = code.judge(spec, [outcome(results=passed[:1]), outcome(stdout="a\nc")])

@@ -131,3 +131,13 @@ def test_encoding_is_never_pickle():
     data = wire.encode(group)
     assert not data.startswith(b"\x80")  # pickle protocol marker
     assert msgpack.unpackb(data)["group_id"] == "g"
+
+
+@pytest.mark.parametrize("field", ["answer", "tolerance"])
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_numeric_spec_refuses_non_finite_numbers(field, value):
+    from services.wire import NumericSpec
+
+    body = {"answer": "1.0", field: value}
+    with pytest.raises(ValueError, match=field):
+        NumericSpec.model_validate_json("{" + ", ".join(f'"{k}": {v}' for k, v in body.items()) + "}")

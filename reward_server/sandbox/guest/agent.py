@@ -13,6 +13,28 @@ Modes:
   agent are killed, so nothing of one submission survives into the next.
 - ``--oneshot [BASE]``: one job in a work dir under BASE (default /tmp), then exit (bubblewrap: a fresh namespace per job;
   Modal: one exec per job, a fresh uid when root).
+- ``--oneshot BASE --warm``: as ``--oneshot``, in a reused container this agent owns
+  (Modal's pooled sandboxes): as root it first makes the shared writable
+  places private, kills every process of any job uid and deletes what job
+  uids left in them, and takes the job's uid from a counter kept under BASE,
+  so no two jobs of one container share a uid.
+
+Hardening every mode shares:
+
+- the answer is ``{"accepted": true}`` as soon as the job's files are
+  written, then the verdict frame. A sandbox that ends between the two was
+  ended by the job (or the host, while the job ran): the backends tell that
+  apart from an infrastructure failure (no ``accepted``) with it;
+- what a run sends on its results pipe is capped like its output
+  (``output_bytes``), and everything one answer carries (outputs and
+  results of all runs) by ``ANSWER_BUDGET``; a line on the results pipe that
+  is not a JSON object is dropped, never an agent error;
+- the agent ignores every signal a job could send it (SIGINT, SIGTERM,
+  SIGHUP, ...), and programs start with default dispositions again; as
+  PID 1 (bubblewrap) the kernel also drops SIGKILL/SIGSTOP from the job;
+- as root, each run starts in a new System V IPC namespace (shared memory,
+  semaphores, message queues of one run are invisible to any other); where
+  the kernel refuses that, the job uid's IPC objects are removed after it.
 
 Stdlib only: this file runs on the sandbox's Python, not tandem's venv.
 """
@@ -29,6 +51,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ANSWER_BUDGET = 64 << 20  # bytes of stdout+stderr+results one answer carries, all runs together
+JOB_UIDS = 40000  # job uids are FIRST_UID .. FIRST_UID + JOB_UIDS - 1
+CLONE_NEWIPC = 0x08000000
+IGNORED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM",
+                                       "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGPIPE", "SIGVTALRM", "SIGPROF",
+                                       "SIGXCPU", "SIGXFSZ", "SIGIO", "SIGPWR", "SIGWINCH", "SIGURG")
+    if hasattr(signal, name))
+SHARED_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock", "/var/lock")
+IPC_NS = {"private": None}  # whether runs get their own IPC namespace (probed once, as root)
 HEADER = struct.Struct(">I")
 MAX_FRAME = 512 << 20
 COMPILE_ERROR_EXIT = 97  # boot.py / harness.py: the program does not compile
@@ -56,14 +88,58 @@ def write_frame(stream, obj):
     stream.flush()
 
 
-def make_limiter(limits, nproc_extra):
+def libc():
+    import ctypes  # noqa: PLC0415 - only root modes need it
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def private_ipc():
+    """In a child about to become a job (as root): a new IPC namespace; False if the kernel refuses."""
+    return libc().unshare(CLONE_NEWIPC) == 0
+
+
+def probe_private_ipc():
+    """Whether runs can get their own IPC namespace here (a throw-away child tries it)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if private_ipc() else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def become(uid):
+    """In the child, as root: a private IPC namespace (when the kernel allows), then the job's uid, no groups."""
+    if IPC_NS["private"] and not private_ipc():
+        os._exit(126)  # the probe said it works: refuse to run without it rather than share IPC
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
+def default_signals():
+    """In the child: undo the agent's ignored signals (an ignored disposition survives exec)."""
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def make_limiter(limits, nproc_extra, uid=None):
     """Limits for the program; ``nproc_extra`` counts processes of the same uid that are not
-    the program's (bubblewrap: its monitor and this agent share the slot's uid)."""
+    the program's (bubblewrap: its monitor and this agent share the slot's uid). With ``uid``
+    (exec'd programs) the limiter also drops to it: Popen's own user= would run before it."""
     memory = int(limits["memory_mb"]) << 20
     cpu = max(1, int(limits["cpu_s"] + 0.999))
 
     def apply():
         # Runs in the child between fork and exec; only lowers limits.
+        default_signals()
+        if uid is not None:
+            become(uid)
+        try:  # the job, not the agent, is what the kernel's OOM killer should pick
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         nproc = int(limits["processes"]) + nproc_extra
@@ -77,8 +153,17 @@ def make_limiter(limits, nproc_extra):
 
 
 def other_pids():
+    """Every live process but this agent and PID 1 (zombies left to a PID 1 that is not ours are dead already)."""
     me = os.getpid()
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (me, 1)]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (me, 1) and not zombie(p)]
+
+
+def zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True  # gone
 
 
 def reap():
@@ -145,6 +230,8 @@ def classify(code, sig, stderr, killed_for, cpu_s, limits):
     tail = stderr[-4000:]
     if killed_for == "output":
         return "output_limit", f"output over {limits['output_bytes']} bytes"
+    if killed_for == "results":
+        return "output_limit", "results over the output limit"
     if killed_for == "wall":
         return "timeout", "wall time over {:.1f} s".format(limits["wall_s"])
     if sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and cpu_s >= limits["cpu_s"] * 0.95):
@@ -169,12 +256,11 @@ class PopenChild:
     notify_fd = None
 
     def __init__(self, argv, cwd, env, uid, limits, results_w):
-        as_user = {"user": uid, "group": uid, "extra_groups": []} if uid is not None else {}
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             cwd=cwd, env=env, start_new_session=True, close_fds=True,
             pass_fds=(results_w,) if results_w is not None else (),
-            preexec_fn=make_limiter(limits, 0 if uid is not None else 2), **as_user,
+            preexec_fn=make_limiter(limits, 0 if uid is not None else 2, uid),
         )
         self.pid = self.proc.pid
         self.stdin_fd, self.stdout_fd, self.stderr_fd = (
@@ -271,8 +357,23 @@ def launch(run, cwd, uid, env, limits, results_w):
     return PopenChild(argv, cwd, env, uid, limits, results_w)
 
 
-def run_one(run, limits, cwd, uid, env):
-    """Run one program; return its verdict dict."""
+def parse_results(data):
+    """The JSON objects among the results lines; anything else a program wrote there is dropped."""
+    found = []
+    for line in data.decode("utf-8", "replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(obj, dict):
+            found.append(obj)
+    return found
+
+
+def run_one(run, limits, cwd, uid, env, budget=ANSWER_BUDGET):
+    """Run one program; return its verdict dict. ``budget``: bytes this run's answer may still carry."""
     results_r = results_w = None
     if run.get("results"):
         results_r, results_w = os.pipe()
@@ -291,7 +392,8 @@ def run_one(run, limits, cwd, uid, env):
     if not stdin:
         child.close_stdin()
     notify = [child.notify_fd] if child.notify_fd is not None else []
-    cap = int(limits["output_bytes"])
+    cap = max(0, min(int(limits["output_bytes"]), budget))
+    results_cap = max(0, min(int(limits["output_bytes"]), budget - cap))
     deadline = start + float(limits["wall_s"])
     killed_for = None
     exit_info = None
@@ -330,6 +432,9 @@ def run_one(run, limits, cwd, uid, env):
         if len(out[out_fd]) + len(out[err_fd]) > cap:
             killed_for = "output"
             break
+        if len(results) > results_cap:
+            killed_for = "results"
+            break
     if exit_info is None:
         try:
             os.killpg(child.pid, signal.SIGKILL)
@@ -341,7 +446,7 @@ def run_one(run, limits, cwd, uid, env):
     clean = sweep(uid)
     for fd in readers:  # whatever is still buffered (the writers are dead now)
         sink = results if fd == results_r else out[fd]
-        while len(sink) <= cap and select.select([fd], [], [], 0)[0]:
+        while len(sink) <= (results_cap if fd == results_r else cap) and select.select([fd], [], [], 0)[0]:
             data = os.read(fd, CHUNK)
             if not data:
                 break
@@ -360,8 +465,7 @@ def run_one(run, limits, cwd, uid, env):
         "status": verdict, "detail": detail, "exit_code": code if code is not None else -(sig or 0),
         "stdout": stdout.decode("utf-8", "replace"), "stderr": err,
         "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "truncated": truncated,
-        "results": [json.loads(x) for x in bytes(results).decode("utf-8", "replace").splitlines() if x.startswith("{")]
-        if results_r is not None else None,
+        "results": parse_results(bytes(results[:results_cap])) if results_r is not None else None,
         "clean": clean,
     }
 
@@ -373,9 +477,10 @@ def safe_path(root, rel):
     return path
 
 
-def run_job(job, serial, base):
+def run_job(job, serial, base, accept):
+    """Write the job's files, call ``accept()``, run its programs; the answer. Work dir removed after."""
     root = os.geteuid() == 0
-    uid = FIRST_UID + serial % 40000 if root else None
+    uid = FIRST_UID + serial % JOB_UIDS if root else None
     cwd = os.path.join(base, f"job{serial}")
     os.makedirs(cwd, mode=0o700)
     try:
@@ -390,19 +495,103 @@ def run_job(job, serial, base):
                     os.chown(name, uid, uid)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
-        return {"runs": [run_one(r, job["limits"], cwd, uid, env) for r in job["runs"]]}
+        accept()
+        runs, budget = [], ANSWER_BUDGET
+        for r in job["runs"]:
+            runs.append(run_one(r, job["limits"], cwd, uid, env, budget))
+            budget -= len(runs[-1]["stdout"]) + len(runs[-1]["stderr"]) + len(json.dumps(runs[-1]["results"]))
+        return {"runs": runs}
     finally:
         shutil.rmtree(cwd, ignore_errors=True)  # rmtree does not follow the program's symlinks
+        if root and not IPC_NS["private"]:
+            remove_ipc(uid)
 
 
-def harden():
-    """Make the sandbox's shared writable places private to the agent (serve mode, root)."""
+def job_uid(uid):
+    return uid is not None and FIRST_UID <= uid < FIRST_UID + JOB_UIDS
+
+
+def remove_ipc(uid=None):
+    """Without private IPC namespaces: delete the System V objects of ``uid`` (None: of every job uid)."""
+    lib = None
+    for kind, column in (("shm", 7), ("sem", 4), ("msg", 7)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            owner_uid = int(row[column]) if len(row) > column else None
+            if (owner_uid == uid) if uid is not None else job_uid(owner_uid):
+                lib = lib or libc()
+                ident = int(row[1])
+                if kind == "shm":
+                    lib.shmctl(ident, 0, None)  # IPC_RMID = 0
+                elif kind == "sem":
+                    lib.semctl(ident, 0, 0)
+                else:
+                    lib.msgctl(ident, 0, None)
+
+
+def harden(base="/tmp/jobs"):
+    """Make the sandbox's shared writable places private to the agent (root in a sandbox it owns)."""
     if os.geteuid() != 0:
         return
-    os.makedirs("/tmp/jobs", mode=0o711, exist_ok=True)
-    for path, mode in (("/tmp", 0o711), ("/tmp/jobs", 0o711), ("/dev/shm", 0o700), ("/dev/mqueue", 0o700)):
-        if os.path.isdir(path):
-            os.chmod(path, mode)
+    os.makedirs(base, mode=0o711, exist_ok=True)
+    for path in (base, *SHARED_DIRS):
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o711 if path in (base, "/tmp") else 0o700)
+
+
+def clean_leftovers(base):
+    """Warm mode, before a job: no process, file or IPC object of any earlier job survives."""
+    for _ in range(100):
+        left = [p for p in other_pids() if job_uid(owner(p))]
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if not left:
+            break
+        time.sleep(0.005)
+    for d in (base, *SHARED_DIRS):
+        try:
+            entries = os.listdir(d)
+        except OSError:
+            continue
+        for name in entries:
+            path = os.path.join(d, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if job_uid(st.st_uid) or (d == base and name.startswith("job")):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.unlink(path)
+    remove_ipc()
+
+
+def next_serial(base):
+    """Warm mode: a per-container job counter kept in a root-only file under ``base``."""
+    path = os.path.join(base, ".tandem-serial")
+    try:
+        with open(path) as f:
+            serial = int(f.read() or 0) + 1
+    except (OSError, ValueError):
+        serial = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(serial))
+    return serial
+
+
+def ignore_signals():
+    """Nothing a job can send stops the agent (SIGKILL/SIGSTOP: see the module docstring)."""
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def no_dumping():
@@ -418,29 +607,41 @@ def no_dumping():
 def main():
     mode = sys.argv[1] if len(sys.argv) > 1 else "--oneshot"
     sys.path.insert(0, HERE)  # -I leaves the script's directory off sys.path: the launchers live here
-    base = sys.argv[2] if len(sys.argv) > 2 else "/tmp"
+    base = sys.argv[2] if len(sys.argv) > 2 and not sys.argv[2].startswith("--") else "/tmp"
+    warm = "--warm" in sys.argv
     no_dumping()
+    ignore_signals()
+    if os.geteuid() == 0:
+        IPC_NS["private"] = probe_private_ipc()
     if mode == "--serve":
-        harden()
         base = "/tmp/jobs"
+        harden(base)
         if os.getpid() == 1 and os.geteuid() == 0 and "--no-zygote" not in sys.argv:
             global ZYGOTE
             from zygote import Zygote  # noqa: PLC0415 - only serve mode forks one, before any job
 
             ZYGOTE = Zygote(make_limiter)
+    elif warm and os.geteuid() == 0:
+        harden(base)
+        clean_leftovers(base)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    serial = int(time.time() * 1000) % 100000 if mode == "--oneshot" else 0
+    # --serve: a random start, so two sandboxes of one pool do not hand out the same uids and work dirs
+    serial = int(time.time() * 1000) % 100000 if mode == "--oneshot" else int.from_bytes(os.urandom(4)) % JOB_UIDS
+    if warm and os.geteuid() == 0:
+        serial = next_serial(base)
     while True:
         job = read_frame(stdin)
         if job is None:
             return
         try:
-            answer = run_job(job, serial, base)
+            answer = run_job(job, serial, base, lambda: write_frame(stdout, {"accepted": True}))
         except (OSError, ValueError, KeyError, subprocess.SubprocessError) as e:
             answer = {"error": f"{type(e).__name__}: {e}"}
         write_frame(stdout, answer)
         serial += 1
         if mode == "--oneshot":
+            if warm and os.geteuid() == 0:
+                clean_leftovers(base)
             return
 
 

@@ -6,7 +6,8 @@ at start-up, *before it reads any job*, so the zygote's memory never holds
 another submission's code or output. For each run the agent sends
 ``{"launcher", "args", "cwd", "uid", "env", "limits"}`` plus the child's
 stdin/stdout/stderr (and results) pipe ends over a Unix socket; the zygote
-forks, and the child drops to the job's uid, applies the limits, takes the
+forks, and the child enters a new IPC namespace (when the agent found that
+possible), drops to the job's uid, applies the limits, takes the
 pipes as fds 0-2 (3), closes everything else and runs the launcher
 (``boot.py`` or ``harness.py``) in-process, exactly as ``python3 -I
 launcher.py ARGS`` would. The zygote answers ``{"pid"}`` at once and
@@ -17,6 +18,7 @@ import atexit
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -45,12 +47,11 @@ def child(req, fds, make_limiter, nproc_extra=0):
     code = 1
     try:
         os.setsid()
-        uid = req["uid"]
-        if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-        make_limiter(req["limits"], nproc_extra)()
+        # The job's IPC namespace and uid, default signal dispositions, then its limits.
+        make_limiter(req["limits"], nproc_extra, req["uid"])()
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         os.chdir(req["cwd"])
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
