@@ -54,6 +54,8 @@ _STACK_DECIDES = {"TANDEM_PORT", "TANDEM_HOST", "TANDEM_RUN_ID", "TANDEM_SERVER_
 # (nor the Redis password), and it keeps the caller's umask (its sandboxes hand files to other uids).
 _RUNS_SANDBOXES = {"reward"}
 STACK_FILE = "stack.json"
+LOCK_FILE = "stack.lock"
+"""Held (flock) by the stack that owns the run directory; it holds that stack's pid."""
 START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 300, "learner": 300}
 
 
@@ -100,6 +102,7 @@ class Stack:
         self.children: dict[str, Child] = {}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
+        self._owner: int | None = None  # fd of the run directory's lock file while this stack holds it
 
     # -- start -------------------------------------------------------------
 
@@ -107,6 +110,7 @@ class Stack:
         self.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)  # an existing run directory too: it is about to hold secrets
         (self.run_dir / "logs").mkdir(mode=0o700, exist_ok=True)
+        self._own_run_dir()
         try:
             if not self.external_redis:
                 self.redis = EmbeddedRedis(self.run_dir / "redis").start()
@@ -216,6 +220,27 @@ class Stack:
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
+            if self._owner is not None:
+                os.close(self._owner)  # releases the lock
+                self._owner = None
+
+    def _own_run_dir(self) -> None:
+        """Hold ``<run_dir>/stack.lock`` (an exclusive ``flock``) for the stack's life, or refuse:
+        two stacks on one run directory would run two redis-servers on one AOF. The kernel drops
+        the lock with the process, so a stack killed with -9 leaves nothing to clean up."""
+        import fcntl
+
+        fd = os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StackError(f"another tandem stack (pid {holder}) is using {self.run_dir}: "
+                             "stop it first, or give this one another --run-dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._owner = fd
 
     def url(self, name: str) -> str:
         return self.children[name].url
