@@ -91,7 +91,8 @@ def predict(row: dict) -> float:
 def peaks(events: list[tuple[int, int]], bucket: int, steps: list[tuple[int, int]] = ()) -> dict:
     """Replay (time, +/- bytes) allocation events: the peak; the peak without allocations of exactly
     ``bucket`` bytes, overall and within the ``steps`` (start, end) windows; the bytes live at the
-    end; and how often the bucket was allocated."""
+    end without the bucket (whether it is still alive then depends on when Python's cycle collector
+    ran); and how often the bucket was allocated."""
     live = live_wo = peak = peak_wo = peak_step = count = 0
     for t, nbytes in sorted(events, key=lambda e: e[0]):  # stable: same-time events in record order
         live += nbytes
@@ -103,7 +104,7 @@ def peaks(events: list[tuple[int, int]], bucket: int, steps: list[tuple[int, int
         peak_wo = max(peak_wo, live_wo)
         if any(start <= t <= end for start, end in steps):
             peak_step = max(peak_step, live_wo)
-    return {"peak": peak, "peak_without_bucket": peak_wo, "peak_in_step": peak_step, "live_at_end": live,
+    return {"peak": peak, "peak_without_bucket": peak_wo, "peak_in_step": peak_step, "live_at_end": live_wo,
             "bucket_allocations": count}
 
 

@@ -98,6 +98,8 @@ def test_replay_peaks_and_sets_the_bucket_apart():
         "peak": 1150, "peak_without_bucket": 180, "peak_in_step": 180, "live_at_end": 130, "bucket_allocations": 1}
     assert cpu.peaks(events, bucket=0)["peak_without_bucket"] == 1150
     assert cpu.peaks(events, bucket=1000, steps=[(6, 7)])["peak_in_step"] == 130
+    # a bucket not yet collected at the end is no learner state
+    assert cpu.peaks(events[:3] + events[4:], bucket=1000)["live_at_end"] == 130
 
 
 def test_dtype_bytes_widens_the_learner_only():
