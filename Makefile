@@ -18,7 +18,7 @@ SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_r
 	test_learner_engine test_learner_service test_learner_vllm test_dashboard test_bench_gpu test_volume_sync
 FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
 
-.PHONY: run test test-fast bench lint clean
+.PHONY: run test test-fast chaos bench lint clean
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml
@@ -30,6 +30,11 @@ test: $(STAMPS)/dev
 test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra -m "not slow" $(FAST_IGNORE)
+
+# make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the README's
+# reliability table and writes bench/results/chaos.json. About 15 minutes on two cores.
+chaos: $(STAMPS)/dev
+	CHAOS_RESULTS=bench/results/chaos.json $(PY) -m pytest -q -s -ra -m chaos tests/chaos
 
 lint: $(STAMPS)/dev
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,10 @@ delivery accounting on that envelope alone:
   groups, reclaim of abandoned entries, dead letters, idempotent acks.
 - ``admission``: the staleness contract (ARCHITECTURE.md section 3):
   admission on the rollout side, acceptance on the learner side.
-- ``weights``: the weight-version registry and its publish notification.
+- ``weights``: the weight-version registry, its publish notification and
+  retraction.
+- ``ledger``: every group's life and every version event, written by the
+  same scripts that change the state (``tandem audit`` checks it).
 - ``embedded``: a real ``redis-server`` child process for local runs.
 """
 

@@ -89,6 +89,16 @@ class Keys:
         return self._k("weights:in-use")
 
     @property
+    def weights_retracted(self) -> str:
+        """Set of version numbers withdrawn at a learner resume (published after the checkpoint it restored)."""
+        return self._k("weights:retracted")
+
+    @property
+    def ledger(self) -> str:
+        """Stream of every prompt group's life and every version event (``broker.ledger``)."""
+        return self._k("ledger")
+
+    @property
     def state(self) -> str:
         """Hash of the run's record (``services.runs.RunStore``: state, step, policy version, ...)."""
         return self._k("state")
@@ -102,6 +112,11 @@ class Keys:
     def metrics_summary(self) -> str:
         """Hash ``last:NAME`` / ``first:NAME`` / ``max:NAME`` -> value over the metrics stream."""
         return self._k("metrics:summary")
+
+    @property
+    def incidents(self) -> str:
+        """Stream of watchdog incidents (a call that outlived its bound: what, waited, limit, action)."""
+        return self._k("incidents")
 
 
 def prompt_set(prompt_set_id: str) -> str:

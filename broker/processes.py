@@ -86,3 +86,52 @@ def stop_groups(procs: Sequence[subprocess.Popen], grace_s: float = 30.0,
 def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
     """:func:`stop_groups` for one process."""
     return stop_groups([proc], grace_s)[0]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+OWNER_VARIABLE = "_TANDEM_OWNER"
+"""Set by a supervisor in each child's environment (inherited by every descendant, whatever process
+group or session it moves to: torchrun's ranks, vLLM's engine core), so that
+:func:`owned_by` finds them all even after their parent died."""
+
+
+def owned_by(tag: str) -> list[int]:
+    """Live processes whose environment carries ``OWNER_VARIABLE=tag`` (or a tag below it: ``tag/...``)."""
+    want = f"{OWNER_VARIABLE}={tag}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if state != "Z" and any(v == want or v.startswith(want + b"/") for v in env):
+            out.append(int(entry.name))
+    return out
+
+
+def kill_owned(tag: str, timeout_s: float = 10.0) -> int:
+    """SIGKILL every process :func:`owned_by` ``tag`` finds; wait until they are gone. Returns how many."""
+    pids = owned_by(tag)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while owned_by(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return len(pids)

@@ -16,7 +16,11 @@ objects and ``ack`` them when their work is durable. The guarantees:
   stream's ``done`` set in the same transaction; readers skip (and ack) an
   entry whose group id is already done, counted as ``duplicates``. Two
   entries with one group id (a producer that retried) are therefore
-  processed once.
+  processed once, and a hand-off of a group already handed off is refused.
+- *Recorded.* Each group id that becomes done gets its ledger entry
+  (``broker.ledger``) in the same script: ``generated`` at a hand-off,
+  ``trained`` or ``dropped`` (with a reason) at an ack, ``dropped`` at a
+  dead letter or when the run closes (:meth:`Stream.close`).
 - *Bounded backlog.* Acked entries are deleted, so ``XLEN`` is the backlog
   (unread + pending). With ``maxlen`` set, ``add`` refuses with
   :class:`QueueFull` (or waits for room) instead of growing without bound;
@@ -38,6 +42,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from broker.keys import Keys
+from broker.ledger import LUA as LEDGER_LUA
+from broker.ledger import detail as ledger_detail
 
 NO_VERSION = -1
 """Policy version of entries that no policy produced (prompt requests)."""
@@ -45,12 +51,30 @@ NO_VERSION = -1
 DEAD_LETTER_MAXLEN = 100_000
 
 
-def connect(url: str) -> aioredis.Redis:
+RECONNECT_RETRIES = 30
+"""Attempts to reach Redis again after a connection error (backoff 0.05 s doubling to 1 s: about
+25 s in all), so a Redis restarted on its AOF (``tandem up`` restarts a killed one at once) is a
+pause, not a failure, for every service."""
+
+
+def connect(url: str, *, max_connections: int | None = None, wait_s: float = 5.0) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` (``redis://``, ``rediss://`` or ``unix://``).
 
-    Responses stay bytes: payloads are binary.
+    Responses stay bytes: payloads are binary. Commands that fail on a lost connection are retried
+    (:data:`RECONNECT_RETRIES`); the broker's scripts are idempotent, so a retried one whose first
+    attempt did run changes nothing twice. With ``max_connections`` the client holds at most that
+    many connections, and a command that finds them all busy waits up to ``wait_s`` for one (then
+    ``redis.ConnectionError``).
     """
-    return aioredis.Redis.from_url(url, decode_responses=False, health_check_interval=30)
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
+    options = dict(decode_responses=False, health_check_interval=30,
+                   retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES))
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options)
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s, **options)
+    return aioredis.Redis.from_pool(pool)
 
 
 class QueueFull(Exception):
@@ -89,16 +113,19 @@ end
 return redis.call('XADD', KEYS[1], '*', 'g', ARGV[2], 'v', ARGV[3], 'p', ARGV[4])
 """
 
-# ack + delete + mark done (+ release admission tickets, + count).
-# KEYS: stream, done, tickets, counters. ARGV: group, release(0/1), counter, then pairs entry_id, group_id
-_ACK = """
+# ack + delete + mark done (+ release admission tickets, + count, + a ledger entry for each group
+# id newly done). KEYS: stream, done, tickets, counters, ledger.
+# ARGV: group, release(0/1), counter, event, then triples entry_id, group_id, ledger detail
+_ACK = LEDGER_LUA + """
 local n = 0
-for i = 4, #ARGV, 2 do
+for i = 5, #ARGV, 3 do
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
-  if ARGV[i + 1] ~= '' then
-    redis.call('SADD', KEYS[2], ARGV[i + 1])
-    if ARGV[2] == '1' then redis.call('ZREM', KEYS[3], ARGV[i + 1]) end
+  local gid = ARGV[i + 1]
+  if gid ~= '' then
+    local new = redis.call('SADD', KEYS[2], gid)
+    if ARGV[2] == '1' then redis.call('ZREM', KEYS[3], gid) end
+    if new == 1 and ARGV[4] ~= '' then ledger(KEYS[5], ARGV[4], gid, ARGV[i + 2]) end
   end
   n = n + 1
 end
@@ -106,31 +133,61 @@ if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[3], n) end
 return n
 """
 
-# Move a prompt's result onward in one step: add the new entry to the
-# destination stream, ack/delete/mark the source entry done, and turn the
-# admission ticket into a queued ticket held by the group id until the
-# destination's consumer acks it.
-# KEYS: src, src_done, dst, tickets, counters. ARGV: src_group, entry_id, group_id, v, payload, ticket
-_HANDOFF = """
-local id = redis.call('XADD', KEYS[3], '*', 'g', ARGV[3], 'v', ARGV[4], 'p', ARGV[5])
+# Move a prompt's result onward in one step: add the new entry to the destination stream,
+# ack/delete/mark the source entry done, turn the admission ticket into a queued ticket held by the
+# group id until the destination's consumer acks it, and write the ledger's "generated" entry.
+# A group already done at the source (handed off by another server after a redelivery, or ended
+# when the run closed) is not handed off again: the entry is acked and false returned.
+# KEYS: src, src_done, dst, tickets, counters, ledger.
+# ARGV: src_group, entry_id, group_id, v, payload, ticket, ledger detail
+_HANDOFF = LEDGER_LUA + """
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[3])
 if ARGV[6] ~= '' then redis.call('ZREM', KEYS[4], ARGV[6]) end
+if redis.call('SADD', KEYS[2], ARGV[3]) == 0 then
+  redis.call('HINCRBY', KEYS[5], 'duplicates', 1)
+  return false
+end
+local id = redis.call('XADD', KEYS[3], '*', 'g', ARGV[3], 'v', ARGV[4], 'p', ARGV[5])
 redis.call('ZADD', KEYS[4], 'inf', ARGV[3])
 redis.call('HINCRBY', KEYS[5], 'produced', 1)
+ledger(KEYS[6], 'generated', ARGV[3], ARGV[7])
 return id
 """
 
-# Dead-letter one entry. KEYS: stream, dead, counters, tickets. ARGV: group, entry_id, reason, g, v, p, release
-_DEAD = """
+# Dead-letter one entry; its group id (if any) is done, with a "dropped" ledger entry the first time.
+# KEYS: stream, dead, counters, tickets, done, ledger. ARGV: group, entry_id, reason, g, v, p, release,
+# dead maxlen, ledger detail
+_DEAD = LEDGER_LUA + """
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[8], '*',
   'source_id', ARGV[2], 'reason', ARGV[3], 'g', ARGV[4], 'v', ARGV[5], 'p', ARGV[6])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
 if ARGV[7] == '1' and ARGV[4] ~= '' then redis.call('ZREM', KEYS[4], ARGV[4]) end
+if ARGV[4] ~= '' and redis.call('SADD', KEYS[5], ARGV[4]) == 1 then ledger(KEYS[6], 'dropped', ARGV[4], ARGV[9]) end
 redis.call('HINCRBY', KEYS[3], 'dead_lettered', 1)
 return 1
+"""
+
+# End entries left in a stream when the run ends: acked, deleted, done, their tickets freed, and
+# a "dropped" ledger entry for each group id newly done. KEYS: stream, done, tickets, counters,
+# ledger. ARGV: group, ledger detail, then pairs entry_id, group_id
+_CLOSE = LEDGER_LUA + """
+local n = 0
+for i = 3, #ARGV, 2 do
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
+  redis.call('XDEL', KEYS[1], ARGV[i])
+  local gid = ARGV[i + 1]
+  if gid ~= '' then
+    redis.call('ZREM', KEYS[3], gid)
+    if redis.call('SADD', KEYS[2], gid) == 1 then
+      ledger(KEYS[5], 'dropped', gid, ARGV[2])
+      n = n + 1
+    end
+  end
+end
+if n > 0 then redis.call('HINCRBY', KEYS[4], 'closed', n) end
+return n
 """
 
 
@@ -169,6 +226,7 @@ class Stream:
         self._ack = redis.register_script(_ACK)
         self._handoff = redis.register_script(_HANDOFF)
         self._dead = redis.register_script(_DEAD)
+        self._close = redis.register_script(_CLOSE)
 
     @classmethod
     def prompts(cls, redis: aioredis.Redis, keys: Keys, **kw) -> Stream:
@@ -212,24 +270,30 @@ class Stream:
             await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
 
-    async def add_many(self, envelopes: Sequence[Envelope]) -> list[bytes]:
-        """Append many envelopes in one round trip (no backlog bound: for bulk enqueue)."""
+    async def add_many(self, envelopes: Sequence[Envelope], details: Sequence[dict] | None = None) -> list[bytes]:
+        """Append many envelopes in one transaction (no backlog bound: for bulk enqueue), each with
+        its ledger's ``queued`` entry (``details``: one dict per envelope)."""
         pipe = self.redis.pipeline(transaction=True)
-        for e in envelopes:
+        for i, e in enumerate(envelopes):
             pipe.xadd(self.key, {"g": e.group_id, "v": e.policy_version, "p": e.payload})
-        return await pipe.execute()
+            pipe.xadd(self.keys.ledger, {"e": "queued", "g": e.group_id,
+                                         "d": ledger_detail(**(details[i] if details else {}))})
+        return (await pipe.execute())[::2]
 
     async def handoff(
-        self, delivery: Delivery, dst: Stream, envelope: Envelope, ticket_token: str = ""
-    ) -> bytes:
-        """Atomically add ``envelope`` to ``dst`` and ack ``delivery`` here.
+        self, delivery: Delivery, dst: Stream, envelope: Envelope, ticket_token: str = "", **generated
+    ) -> bytes | None:
+        """Atomically add ``envelope`` to ``dst`` and ack ``delivery`` here; the ledger's
+        ``generated`` entry (details: ``generated``) is written in the same step.
 
         The admission ticket ``ticket_token`` becomes a ticket held by the
         group id until ``dst``'s consumer acks it, so a group counts against
         admission capacity from admission until the learner is done with it.
+        Returns None (and releases the ticket) when the group is already done
+        here: another server handed it off after a redelivery, or the run ended.
         """
         return await self._handoff(
-            keys=[self.key, self.done_key, dst.key, self.keys.tickets, self.keys.counters],
+            keys=[self.key, self.done_key, dst.key, self.keys.tickets, self.keys.counters, self.keys.ledger],
             args=[
                 self.group,
                 delivery.entry_id,
@@ -237,6 +301,7 @@ class Stream:
                 envelope.policy_version,
                 envelope.payload,
                 ticket_token,
+                ledger_detail(**generated),
             ],
         )
 
@@ -334,29 +399,71 @@ class Stream:
             await self._ack_raw(dupes, counter="duplicates", mark_done=False)
         return fresh
 
-    async def ack(self, deliveries: Iterable[Delivery], *, counter: str = "") -> int:
+    async def ack(
+        self, deliveries: Iterable[Delivery], *, counter: str = "", event: str = "",
+        details: Sequence[dict] | dict | None = None,
+    ) -> int:
         """Acknowledge ``deliveries``: their group ids become done (never processed again).
 
         ``counter`` names an accounting counter to add the count to (for
-        example ``accepted`` or ``stale_dropped``).
+        example ``accepted`` or ``stale_dropped``). ``event`` is the ledger
+        entry written for each group id that was not done yet (``trained``,
+        ``dropped``), with ``details`` (one dict for all, or one per delivery).
         """
-        return await self._ack_raw(list(deliveries), counter=counter, mark_done=True)
+        return await self._ack_raw(list(deliveries), counter=counter, mark_done=True, event=event, details=details)
 
-    async def _ack_raw(self, deliveries: list[Delivery], *, counter: str, mark_done: bool) -> int:
+    async def _ack_raw(
+        self, deliveries: list[Delivery], *, counter: str, mark_done: bool, event: str = "",
+        details: Sequence[dict] | dict | None = None,
+    ) -> int:
         if not deliveries:
             return 0
-        args: list = [self.group, "1" if self.releases_tickets else "0", counter]
-        for d in deliveries:
-            args += [d.entry_id, d.envelope.group_id if mark_done else ""]
+        if details is None or isinstance(details, dict):
+            details = [details or {}] * len(deliveries)
+        args: list = [self.group, "1" if self.releases_tickets else "0", counter, event]
+        for d, extra in zip(deliveries, details, strict=True):
+            args += [d.entry_id, d.envelope.group_id if mark_done else "", ledger_detail(**extra) if event else ""]
         return await self._ack(
-            keys=[self.key, self.done_key, self.keys.tickets, self.keys.counters], args=args
+            keys=[self.key, self.done_key, self.keys.tickets, self.keys.counters, self.keys.ledger], args=args
         )
 
+    async def release_tickets(self, group_ids: Iterable[str]) -> None:
+        """Free the admission slots of groups whose acknowledgement waits (on a durable checkpoint)."""
+        ids = list(group_ids)
+        if ids:
+            await self.redis.zrem(self.keys.tickets, *ids)
+
+    async def touch(self, consumer: str, deliveries: Iterable[Delivery]) -> None:
+        """Reset the idle time of entries ``consumer`` holds on purpose (a batch buffer, groups
+        trained but not yet acknowledged), so the visibility timeout does not redeliver them;
+        the delivery count is unchanged."""
+        ids = [d.entry_id for d in deliveries]
+        if ids:
+            await self.redis.xclaim(self.key, self.group, consumer, 0, ids, justid=True)
+
+    async def close(self, reason: str, page: int = 500) -> int:
+        """End every entry left (unread or pending): done, tickets freed, and a ``dropped`` ledger
+        entry with ``reason`` for each group not done yet. Returns how many groups it dropped."""
+        await self.ensure_group()
+        n = 0
+        while True:
+            rows = await self.redis.xrange(self.key, count=page)
+            if not rows:
+                return n
+            args: list = [self.group, ledger_detail(reason=reason)]
+            for entry_id, fields in rows:
+                args += [entry_id, _text(fields.get(b"g", b""))]
+            n += await self._close(
+                keys=[self.key, self.done_key, self.keys.tickets, self.keys.counters, self.keys.ledger], args=args
+            )
+
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
-        """Move ``delivery`` to the dead-letter stream with ``reason`` (and ack it here)."""
+        """Move ``delivery`` to the dead-letter stream with ``reason`` (and ack it here); its group
+        is done, dropped in the ledger as ``dead_lettered``."""
         e = delivery.envelope
+        stream = self.key.rsplit(":", 1)[-1]
         await self._dead(
-            keys=[self.key, self.dead_key, self.keys.counters, self.keys.tickets],
+            keys=[self.key, self.dead_key, self.keys.counters, self.keys.tickets, self.done_key, self.keys.ledger],
             args=[
                 self.group,
                 delivery.entry_id,
@@ -366,6 +473,7 @@ class Stream:
                 e.payload,
                 "1" if self.releases_tickets else "0",
                 DEAD_LETTER_MAXLEN,
+                ledger_detail(reason="dead_lettered", stream=stream, why=reason[:300]),
             ],
         )
 

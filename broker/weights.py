@@ -9,6 +9,9 @@ channel and also poll ``latest`` (pub/sub is fire-and-forget: a subscriber
 that was disconnected would miss a message), so a notification can be late
 but never lost.
 
+A resumed learner *retracts* the versions published after the checkpoint it
+restored (:meth:`WeightRegistry.retract`): their weights left the lineage.
+
 Rollout servers report the version they serve (``report_in_use``) so the
 learner deletes old versions only when no live server still uses them.
 """
@@ -22,6 +25,8 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.keys import Keys
+from broker.ledger import LUA as LEDGER_LUA
+from broker.ledger import detail as ledger_detail
 
 
 class WeightVersion(BaseModel):
@@ -40,8 +45,8 @@ class VersionConflict(Exception):
     """A publish that would skip or repeat a version."""
 
 
-# KEYS: latest, history, channel. ARGV: version, record json
-_PUBLISH = """
+# KEYS: latest, history, channel, ledger. ARGV: version, record json, ledger detail
+_PUBLISH = LEDGER_LUA + """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 local v = tonumber(ARGV[1])
 if cur ~= -1 and v ~= cur + 1 then
@@ -50,6 +55,7 @@ end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'record', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('PUBLISH', KEYS[3], ARGV[1])
+ledger(KEYS[4], 'published', '', ARGV[3])
 return {1, v}
 """
 
@@ -62,16 +68,17 @@ class WeightRegistry:
         self.keys = keys
         self._publish = redis.register_script(_PUBLISH)
 
-    async def publish(self, wv: WeightVersion) -> None:
-        """Register ``wv`` as the newest version and notify subscribers.
+    async def publish(self, wv: WeightVersion, step: int | None = None) -> None:
+        """Register ``wv`` as the newest version and notify subscribers (and the ledger: the
+        version, its sha256 and the learner ``step`` it holds).
 
         Raises :class:`VersionConflict` unless ``wv.version`` is exactly one
         above the current latest (the first publish may start anywhere, so
         a run resumed from a checkpoint continues its numbering).
         """
         ok, cur = await self._publish(
-            keys=[self.keys.weights_latest, self.keys.weights_history, self.keys.weights_channel],
-            args=[wv.version, wv.model_dump_json()],
+            keys=[self.keys.weights_latest, self.keys.weights_history, self.keys.weights_channel, self.keys.ledger],
+            args=[wv.version, wv.model_dump_json(), ledger_detail(version=wv.version, sha256=wv.sha256, step=step)],
         )
         if not ok:
             raise VersionConflict(f"cannot publish version {wv.version}: latest is {cur}")
@@ -93,6 +100,20 @@ class WeightRegistry:
         """Every version still registered, oldest first."""
         rows = await self.redis.hvals(self.keys.weights_history)
         return sorted((WeightVersion.model_validate_json(r) for r in rows), key=lambda w: w.version)
+
+    async def retract(self, versions: list[int], **why) -> None:
+        """Withdraw ``versions`` (their weights are no longer the learner's lineage): rollout servers
+        refuse to load or generate with them, and the learner drops their groups as ``retracted``.
+        One transaction with the ledger's ``retracted`` entry (details: ``why``)."""
+        if not versions:
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.sadd(self.keys.weights_retracted, *versions)
+        pipe.xadd(self.keys.ledger, {"e": "retracted", "g": "", "d": ledger_detail(versions=versions, **why)})
+        await pipe.execute()
+
+    async def retracted(self) -> set[int]:
+        return {int(v) for v in await self.redis.smembers(self.keys.weights_retracted)}
 
     async def forget(self, versions: list[int]) -> None:
         """Remove ``versions`` from the history (after their files were deleted)."""

@@ -23,28 +23,92 @@ offers the four things the trainer needs:
 Distributed setup: ``deepspeed.init_distributed`` with gloo on CPU
 (``DS_ACCELERATOR=cpu``), NCCL on GPUs; rank/world from the launcher's
 environment (``torchrun`` / ``deepspeed``), or a single rank when none is set.
+
+Watchdogs (``[watchdog]``, ``services.watchdog``): the process group's
+timeout is ``watchdog.collective_s``, so a collective whose peer rank stopped
+answering fails instead of waiting forever; the engine turns that failure
+into :class:`CollectiveTimeout`, naming the collective it was in (the
+trainer fails the run with it). Each step, publish gather and checkpoint
+save runs under a :class:`~services.watchdog.Watchdog` of
+``watchdog.step_s``: a thread stuck inside DeepSpeed cannot be interrupted,
+so past the bound the rank logs its stack, records the incident and exits
+with ``EXIT_STALLED``; the supervisor restarts the learner, which resumes
+from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from learner.batch import TrainSeq, collate, pack
 from learner.loss import LossStats, token_entropy, token_logprobs, token_loss
+from services import watchdog
 from services.config import RunConfig
+
+log = logging.getLogger("tandem.learner")
 
 POINTER = "tandem-latest"
 STATE_FILE = "learner-state.json"
 
 
-def init_distributed() -> tuple[int, int]:
-    """Initialise torch.distributed for DeepSpeed (idempotent); return (rank, world)."""
+class CollectiveTimeout(RuntimeError):
+    """A collective between learner ranks waited past ``watchdog.collective_s``; the message names it."""
+
+
+_collective_s: float | None = None
+"""The process group's timeout, as :func:`init_distributed` set it (process-wide, like the group)."""
+
+
+@contextmanager
+def collective(name: str, *, step: int | None = None,
+               incidents: watchdog.SyncIncidentLog | None = None) -> Iterator[None]:
+    """Name the collective(s) inside: one whose peer rank stopped answering fails, once the
+    process group's timeout (``watchdog.collective_s``) expires, with :class:`CollectiveTimeout`
+    naming it (logged with this rank's stack, recorded in ``incidents``)."""
+    t0 = time.monotonic()
+    try:
+        yield
+    except CollectiveTimeout:
+        raise
+    except RuntimeError as e:  # gloo and NCCL timeouts arrive as torch.distributed.DistError
+        waited, limit = time.monotonic() - t0, _collective_s
+        text = str(e).lower()
+        if "timed out" not in text and "timeout" not in text and (limit is None or waited < 0.9 * limit):
+            raise
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        inc = watchdog.incident(
+            f"learner rank {rank} of {world}" + (f", step {step}" if step is not None else ""),
+            f"the collective {name} (a peer rank stopped answering)", waited_s=waited,
+            limit_s=limit or waited, field="watchdog.collective_s", action="the run fails",
+            source=f"learner:rank{rank}", stack=watchdog.thread_stack(threading.get_ident()),
+        )
+        log.error("%s\n%s", watchdog.message(inc), inc.stack)
+        if incidents is not None:
+            try:
+                incidents.append(inc)
+            except Exception as e2:  # noqa: BLE001  the error below matters more than the record
+                log.error("could not record the incident: %r", e2)
+        raise CollectiveTimeout(f"{watchdog.message(inc)}: {e}") from e
+
+
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialise torch.distributed for DeepSpeed (idempotent); return (rank, world).
+
+    ``timeout_s``: the process group's collective timeout (``watchdog.collective_s``; DeepSpeed's
+    default, 600 s, otherwise)."""
+    global _collective_s
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -56,7 +120,9 @@ def init_distributed() -> tuple[int, int]:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if not torch.distributed.is_initialized():
         backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-        deepspeed.init_distributed(dist_backend=backend)
+        kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        deepspeed.init_distributed(dist_backend=backend, **kw)
+        _collective_s = timeout_s
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
@@ -90,13 +156,17 @@ def ds_config(cfg: RunConfig) -> dict:
 class Engine:
     """A DeepSpeed-wrapped policy (and reference) on this rank."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, incidents: watchdog.SyncIncidentLog | None = None) -> None:
+        """``incidents``: the run's incidents stream, where a watchdog of this rank records what it saw."""
         import deepspeed
         from deepspeed.accelerator import get_accelerator
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
-        self.rank, self.world = init_distributed()
+        self.rank, self.world = init_distributed(cfg.watchdog.collective_s)
+        self.incidents = incidents
+        self.watchdog = watchdog.Watchdog(sink=incidents, source=f"learner:rank{self.rank}")
+        self.steps_taken = 0
         self.device = torch.device(get_accelerator().current_device_name())
         self._host: dict[str, torch.Tensor] = {}  # pinned host copies of the published weights (see _to_host)
         seed_everything(cfg.learner.seed)
@@ -168,11 +238,35 @@ class Engine:
         mbs = pack(seqs, self.cfg.learner.micro_batch_tokens)
         # on the accelerator: NCCL reduces device tensors only (gloo takes either)
         n = torch.tensor([len(mbs)], dtype=torch.long, device=self.device)
-        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
+        with self._collective("all_reduce(MAX) of the micro-batch count", in_step=True):
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
         return mbs + [[] for _ in range(int(n) - len(mbs))]
+
+    # -- watchdogs ---------------------------------------------------------------
+
+    @contextmanager
+    def _bounded(self, what: str) -> Iterator[None]:
+        """``what`` (a step, a gather, a save) within ``watchdog.step_s``, else this rank exits."""
+        with self.watchdog.guard(f"learner rank {self.rank} of {self.world}: {what}",
+                                 "DeepSpeed (the other ranks, or this rank's own computation)",
+                                 limit_s=self.cfg.watchdog.step_s, field="watchdog.step_s",
+                                 action="this rank exits for a restart (the learner resumes from its checkpoint)"):
+            yield
+
+    def _collective(self, name: str, *, in_step: bool = False) -> AbstractContextManager[None]:
+        """:func:`collective`, naming the step when ``in_step`` (the step being taken)."""
+        return collective(name, step=self.steps_taken + 1 if in_step else None, incidents=self.incidents)
+
+    # -- training ----------------------------------------------------------------
 
     def train_step(self, seqs: list[TrainSeq]) -> dict[str, float]:
         """One optimizer step on this rank's rows; returns batch-wide statistics (all ranks)."""
+        with self._bounded(f"optimizer step {self.steps_taken + 1}"):
+            out = self._train_step(seqs)
+        self.steps_taken += 1
+        return out
+
+    def _train_step(self, seqs: list[TrainSeq]) -> dict[str, float]:
         cfg = self.cfg
         self.engine.train()
         mbs = self.micro_batches(seqs)
@@ -190,13 +284,16 @@ class Engine:
             )
             # c_{i,t} already normalises over the whole batch; DeepSpeed averages gradients
             # over data-parallel ranks, so scale by the world size to keep a sum
-            self.engine.backward(loss * self.world, scale_wrt_gas=False)
+            with self._collective("backward (DeepSpeed's gradient all-reduce / ZeRO reduce-scatter)", in_step=True):
+                self.engine.backward(loss * self.world, scale_wrt_gas=False)
             local.merge(st)
-        self.engine.step()
+        with self._collective("optimizer step (DeepSpeed's gradient reduction / ZeRO all-gather)", in_step=True):
+            self.engine.step()
         total = torch.tensor(local.as_vector(), dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(total)
         wmax = torch.tensor([local.is_weight_max], dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(wmax, op=torch.distributed.ReduceOp.MAX)
+        with self._collective("all_reduce of the step statistics", in_step=True):
+            torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(wmax, op=torch.distributed.ReduceOp.MAX)
         out = LossStats.from_vector(total.tolist(), float(wmax)).summary()
         norm = self.engine.get_global_grad_norm()
         # DeepSpeed reports the norm for ZeRO >= 1; without ZeRO it keeps none (None in the stats)
@@ -209,6 +306,11 @@ class Engine:
 
     def full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Full weights in Hugging Face naming on rank 0 (empty on other ranks). Collective."""
+        with self._bounded("gather of the full weights for publishing"), \
+                self._collective("ZeRO-3 parameter gather for publishing"):
+            return self._full_state_dict(dtype)
+
+    def _full_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         import deepspeed
 
         module = self.engine.module
@@ -274,6 +376,11 @@ class Engine:
 
     def adapter_state_dict(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], str]:
         """The LoRA adapter in PEFT's saved naming and its ``adapter_config.json`` text (rank 0). Collective."""
+        with self._bounded("gather of the LoRA adapter for publishing"), \
+                self._collective("ZeRO-3 adapter gather for publishing"):
+            return self._adapter_state_dict(dtype)
+
+    def _adapter_state_dict(self, dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], str]:
         import deepspeed
 
         module = self.engine.module
@@ -297,10 +404,27 @@ class Engine:
         files are written, so a kill mid-save leaves the previous checkpoint
         in force.
         """
-        ckpt_dir = Path(ckpt_dir)
-        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={}, save_latest=False)
+        with self._bounded(f"checkpoint save {tag}"), \
+                self._collective(f"checkpoint save {tag} (DeepSpeed's and the pointer's barriers)"):
+            self._save(Path(ckpt_dir), tag, state, keep)
+
+    def _save(self, ckpt_dir: Path, tag: str, state: dict, keep: int) -> None:
+        from services.weightstore import RunDirectoryFull, free_bytes
+
         tag_dir = ckpt_dir / tag
-        torch.save(rng_state(), tag_dir / f"rng-rank{self.rank}.pt")
+        try:
+            self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={}, save_latest=False)
+            torch.save(rng_state(), tag_dir / f"rng-rank{self.rank}.pt")
+        except Exception as e:
+            shutil.rmtree(tag_dir, ignore_errors=True)  # half a checkpoint: the pointer never names it
+            pointer = ckpt_dir / POINTER
+            previous = ckpt_dir / pointer.read_text().strip() if pointer.exists() else None
+            needed = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) \
+                if previous is not None and previous.is_dir() else 0
+            free = free_bytes(ckpt_dir)
+            if needed and free is not None and free < needed:  # torch reports ENOSPC as "unexpected pos"
+                raise RunDirectoryFull(ckpt_dir, free, needed, what="the checkpoint") from e
+            raise
         torch.distributed.barrier()
         if self.rank == 0:
             _atomic_write(tag_dir / STATE_FILE, json.dumps(state))
@@ -324,6 +448,7 @@ class Engine:
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
         state = json.loads((ckpt_dir / tag / STATE_FILE).read_text())
+        self.steps_taken = int(state.get("step", 0))
         rng = ckpt_dir / tag / f"rng-rank{self.rank}.pt"
         if rng.exists():
             set_rng_state(load_rng_state(rng))

@@ -13,15 +13,21 @@ Reads trajectory groups, and for each optimizer step hands the trainer
    sampling: the batch is filled with groups that carry a gradient);
 4. *acceptance* (ARCHITECTURE.md section 3), judged when the step's batch is
    formed, against the version the step will improve: a group from version
-   ``v`` is used only if ``0 <= v_learner - v <= max_staleness``; otherwise it
-   is acknowledged as ``stale_dropped``.
+   ``v`` is used only if ``0 <= lag(v_learner, v) <= max_staleness`` and
+   ``v`` was not retracted (``broker.admission.accept``); otherwise it is
+   acknowledged as ``stale_dropped`` or ``retracted_dropped``.
+
+Every acknowledgement writes the group's ledger entry (``broker.ledger``):
+``dropped`` with its reason here, ``trained`` by the trainer.
 
 Groups are held in an ordered buffer keyed by group id, so a redelivery of
-a group already held (its visibility timeout ran out while it waited) is not
-trained twice; the broker itself skips group ids already acknowledged.
-Accepted groups are acknowledged by the trainer only after their step (and
-the publish it triggers) is done: the admission tickets they hold keep
-rollout servers from starting groups that would be stale on arrival.
+a group already held is not trained twice; the broker itself skips group
+ids already acknowledged. A trained group is *held* (:meth:`Feeder.hold`)
+until a durable checkpoint contains its update, and only then acknowledged
+(:meth:`Feeder.ack_trained`): if the learner dies first, the broker delivers
+it again and the resumed learner trains it again. Holding frees the group's
+admission ticket at once (rollout servers go on), and the feeder keeps the
+entries it holds from timing out (``Stream.touch``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from collections import Counter, OrderedDict
 import redis.asyncio as aioredis
 
 from broker import Delivery, Keys, Stream, accept
+from broker.admission import lag
+from broker.ledger import Ledger
 from learner.batch import check_group, group_has_signal
 from services.config import RunConfig
 from services.wire import TrajectoryGroup, decode_delivery
@@ -58,9 +66,15 @@ class Feeder:
         self.stream = Stream.trajectories(
             redis, keys, visibility_timeout_s=st.visibility_timeout_s, max_deliveries=st.max_deliveries
         )
+        self.ledger = Ledger(redis, keys)
         self.buffer: OrderedDict[str, tuple[Delivery, TrajectoryGroup]] = OrderedDict()
+        self.held: dict[str, Delivery] = {}
+        """Trained groups waiting for a durable checkpoint before their acknowledgement."""
+        self.retracted: set[int] = set()
+        """Versions withdrawn at a resume (the trainer sets them)."""
         self.counts: Counter[str] = Counter()
         self.idle_s = 0.0
+        self._touched = time.monotonic()
 
     async def start(self) -> int:
         """Create the consumer group and take over entries a previous learner left pending.
@@ -83,9 +97,10 @@ class Feeder:
         return len(got)
 
     async def _admit(self, deliveries: list[Delivery]) -> None:
+        handed: list[tuple[str, dict]] = []
         for d in deliveries:
             gid = d.envelope.group_id
-            if gid in self.buffer:
+            if gid in self.buffer or gid in self.held:
                 continue  # a redelivery of a group this learner already holds
             group = await decode_delivery(self.stream, d, TrajectoryGroup)
             if group is None:  # dead-lettered with the validation error as its reason
@@ -101,19 +116,30 @@ class Feeder:
                 self.counts["dead_lettered"] += 1
                 continue
             if self.cfg.loss.filter_zero_variance and not group_has_signal(group):
-                await self.stream.ack([d], counter="zero_variance_dropped")
+                await self.stream.ack([d], counter="zero_variance_dropped", event="dropped",
+                                      details={"reason": "zero_variance", "version": group.policy_version})
                 self.counts["zero_variance_dropped"] += 1
                 continue
             self.buffer[gid] = (d, group)
+            handed.append((gid, {"delivery": d.deliveries, "version": group.policy_version}))
+        await self.ledger.append_many("handed", handed)
 
     async def drop_stale(self, v_learner: int) -> int:
         """Acknowledge and count every buffered group the acceptance rule refuses now."""
-        eta = self.cfg.staleness.max_staleness
-        stale = [gid for gid, (_d, g) in self.buffer.items() if not accept(v_learner, g.policy_version, eta)]
-        if stale:
-            await self.stream.ack([self.buffer.pop(gid)[0] for gid in stale], counter="stale_dropped")
-            self.counts["stale_dropped"] += len(stale)
-        return len(stale)
+        eta, retracted = self.cfg.staleness.max_staleness, self.retracted
+        refused = [gid for gid, (_d, g) in self.buffer.items() if not accept(v_learner, g.policy_version, eta, retracted)]
+        by_reason: dict[str, list[str]] = {}
+        for gid in refused:
+            by_reason.setdefault("retracted" if self.buffer[gid][1].policy_version in retracted else "stale", []).append(gid)
+        for reason, gids in by_reason.items():
+            groups = [self.buffer.pop(gid) for gid in gids]
+            await self.stream.ack(
+                [d for d, _ in groups], counter=f"{reason}_dropped", event="dropped",
+                details=[{"reason": reason, "version": g.policy_version, "basis": v_learner,
+                          "lag": lag(v_learner, g.policy_version, retracted)} for _, g in groups],
+            )
+            self.counts[f"{reason}_dropped"] += len(gids)
+        return len(refused)
 
     async def next_batch(
         self, v_learner: int, want: int, timeout_s: float, stop: threading.Event | None = None
@@ -136,11 +162,27 @@ class Feeder:
                     f"no usable trajectory group for {timeout_s:.0f} s "
                     f"({len(self.buffer)} of {want} buffered for version {v_learner})"
                 )
+            await self._touch_held()
             t0 = time.monotonic()
             got = await self.stream.read(self.consumer, count=want - len(self.buffer), block_ms=int(min(1.0, left) * 1000))
             self.idle_s += time.monotonic() - t0
             await self._admit(got)
 
-    async def ack_trained(self, deliveries: list[Delivery]) -> None:
-        """The step using ``deliveries`` is done: mark their groups done (never trained again)."""
-        await self.stream.ack(deliveries, counter="accepted")
+    async def hold(self, deliveries: list[Delivery]) -> None:
+        """These groups were trained: keep them until a checkpoint holds their update; free their tickets."""
+        self.held.update((d.envelope.group_id, d) for d in deliveries)
+        await self.stream.release_tickets(d.envelope.group_id for d in deliveries)
+
+    async def ack_trained(self, deliveries: list[Delivery], details: list[dict] | None = None) -> None:
+        """A durable checkpoint holds their update: their groups are done (never trained again), each
+        with its ledger ``trained`` entry (``details``: step, basis, version)."""
+        await self.stream.ack(deliveries, counter="accepted", event="trained", details=details)
+        for d in deliveries:
+            self.held.pop(d.envelope.group_id, None)
+
+    async def _touch_held(self) -> None:
+        """Keep what this learner holds on purpose from reaching the visibility timeout."""
+        if time.monotonic() - self._touched < self.cfg.staleness.visibility_timeout_s / 3:
+            return
+        await self.stream.touch(self.consumer, [*self.held.values(), *(d for d, _ in self.buffer.values())])
+        self._touched = time.monotonic()

@@ -66,7 +66,14 @@ class RankChannel:
         if self.world > 1:
             import torch
 
-            torch.distributed.broadcast_object_list([cmd], src=0)
+            from learner.engine import CollectiveTimeout, collective
+
+            try:
+                with collective("broadcast of rank 0's step command"):
+                    torch.distributed.broadcast_object_list([cmd], src=0)
+            except CollectiveTimeout:
+                self.stopped = True  # the other ranks are gone: nothing more can be sent
+                raise
         self.stopped = cmd.stop
 
 
@@ -74,8 +81,11 @@ def receive() -> RankCommand:
     """Ranks > 0: wait for rank 0's next command."""
     import torch
 
+    from learner.engine import collective
+
     box: list[RankCommand | None] = [None]
-    torch.distributed.broadcast_object_list(box, src=0)
+    with collective("broadcast of rank 0's step command"):
+        torch.distributed.broadcast_object_list(box, src=0)
     cmd = box[0]
     if not isinstance(cmd, RankCommand):
         raise TypeError(f"rank 0 sent {type(cmd).__name__}, not a RankCommand")

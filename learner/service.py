@@ -3,8 +3,9 @@
 Rank 0 serves ``/healthz`` (503 once training failed), ``/metrics`` and
 ``GET /v1/status`` while the training loop runs in a background thread
 (DeepSpeed steps block; the HTTP event loop must not). Other ranks of a
-multi-rank job (``torchrun --nproc_per_node N -m learner --config RUN.toml``)
-run the loop in their main thread and serve nothing.
+multi-rank job (``torchrun --nproc_per_node N -m services.cli serve learner``,
+``tandem up`` with ``TANDEM_STACK_LEARNER_RANKS=N``) run the loop in their
+main thread and serve nothing.
 
 Two modes:
 
@@ -12,8 +13,9 @@ Two modes:
 - unset (the local stack, docker-compose): follow the control plane. Wait
   for the active run in the run registry (``services.runs.RunStore``), mark
   it ``running``, train it with the config it was submitted with, mark it
-  ``finished`` or ``failed``; stop early when it is stopped; then wait for
-  the next run.
+  ``finished`` or ``failed``; stop early when it is stopped; end the run's
+  leftover groups in its ledger (``learner.trainer.close_run``); then wait
+  for the next run.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fastapi import FastAPI
 from learner.metrics import LearnerMetrics
 from learner.settings import LearnerSettings
 from learner.status import Status
-from learner.trainer import Trainer
+from learner.trainer import Trainer, close_run
 from services.app import create_app
 from services.app import serve as serve_app
 from services.config import RunConfig
@@ -100,7 +102,7 @@ class RunFollower:
                 raise
 
     async def _follow(self) -> None:
-        from broker import connect
+        from broker import Keys, connect
         from services.runs import RunStore, RunWatcher
 
         if not self.settings.redis_url:
@@ -108,22 +110,29 @@ class RunFollower:
         redis = connect(self.settings.redis_url)
         store = RunStore(redis)
         runs = RunWatcher(store, poll_s=self.settings.poll_s, stop=self.stop_event)
+        lead = int(os.environ.get("RANK", "0")) == 0
         try:
             async for run in runs:
-                await store.set_state(run.run_id, "running")
                 trainer = Trainer(self.settings.model_copy(update={"run_id": run.run_id}), run.config, metrics=self.metrics)
                 self.current = trainer
+                if not lead:  # another rank of a multi-rank learner: rank 0 runs the run and says when it ends
+                    await asyncio.to_thread(trainer.run_blocking, reraise=False)
+                    continue
+                await store.set_state(run.run_id, "running")
                 watch = asyncio.create_task(self._stop_when_not_live(runs, run.run_id, trainer))
                 try:
                     await asyncio.to_thread(trainer.run_blocking, reraise=False)
                 finally:
                     watch.cancel()
-                if trainer.status.state == "done":
+                if trainer.status.state == "done":  # the trainer closed the run's ledger
                     await store.set_state(run.run_id, "finished")
                 elif trainer.status.state == "failed":
+                    await close_run(redis, Keys(run.run_id), "run_failed", trainer.paths.ledger)
                     await store.set_state(run.run_id, "failed", error=trainer.status.error or "learner failed")
                 elif await store.is_live(run.run_id):  # stopped by SIGTERM, not by the user: leave it running
                     return
+                else:  # stopped from the control plane
+                    await close_run(redis, Keys(run.run_id), "run_stopped", trainer.paths.ledger)
         finally:
             await redis.aclose()
 
@@ -136,11 +145,19 @@ class RunFollower:
 
 
 def serve(settings: LearnerSettings, config: RunConfig | None) -> None:
-    """Entry point of ``tandem serve learner`` (and of every rank under torchrun)."""
-    if int(os.environ.get("RANK", "0")) > 0 and config is None:
-        raise SystemExit("ranks > 0 need --config RUN.toml")
+    """Entry point of ``tandem serve learner`` (and of every rank under torchrun).
+
+    Ranks > 0 serve nothing: with ``TANDEM_RUN_ID`` they train that run with ``--config``; in stack
+    mode they follow the same runs as rank 0 (each rank watches the run registry; rank 0 alone
+    changes a run's state and tells the others, step by step, what to do)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank > 0 and settings.run_id and config is None:
+        raise SystemExit("TANDEM_RUN_ID is set: ranks > 0 need --config RUN.toml")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if int(os.environ.get("RANK", "0")) > 0:
-        Trainer(settings, config).run_blocking()
+    if rank > 0:
+        if settings.run_id:
+            Trainer(settings, config).run_blocking()
+        else:
+            RunFollower(settings, LearnerMetrics()).run_blocking()
         return
     serve_app(build_app(settings, config), settings)

@@ -12,9 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-LearnerState = Literal["idle", "starting", "waiting", "training", "done", "failed", "stopped"]
+LearnerState = Literal["idle", "starting", "waiting", "training", "checkpointing", "done", "failed", "stopped"]
 """``idle``: no run to train (stack mode, between runs); ``starting``: loading the model and the
-checkpoint; ``waiting``: for trajectory groups; ``training``: a step is running; ``done``: the last step
+checkpoint; ``waiting``: for trajectory groups; ``training``: a step is running; ``checkpointing``:
+saving one (its groups are acknowledged after it); ``done``: the last step
 is taken; ``failed``: see ``error``; ``stopped``: on request (SIGTERM, or the run stopped) before the end."""
 
 
@@ -66,4 +67,10 @@ class Status(_Report):
     last_publish: Published | None = None
     resumed_from: int | None = None
     """The checkpoint's step if the run resumed from one."""
+    lost_steps: int = 0
+    """Steps trained after the checkpoint a resume restored (retrained from their groups)."""
+    retracted: list[int] = Field(default_factory=list)
+    """Versions withdrawn at a resume (published after the checkpoint it restored)."""
+    last_checkpoint_s: float | None = None
+    """How long the latest checkpoint save took (training waits for it)."""
     started_at: float = Field(default_factory=time.time)

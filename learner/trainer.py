@@ -8,56 +8,65 @@ checkpoint saves).
 
 One step, in this order:
 
-1. form the batch for ``v_learner + 1`` (acceptance judged now; stale groups
-   acknowledged as ``stale_dropped``);
-2. train one optimizer step on it;
+1. form the batch for ``v_learner + 1`` (acceptance judged now; stale and
+   retracted groups acknowledged as dropped);
+2. train one optimizer step on it; its groups are *held* (their admission
+   tickets freed, their acknowledgement deferred);
 3. every ``publish.every`` steps: gather the full weights, write version
    ``v_learner + 1`` atomically, register it, prune old versions;
-4. every ``learner.checkpoint_every`` steps, after the last, and when stopped
-   on request (SIGTERM; not after kill -9, of course): save a
-   checkpoint holding the step, ``v_learner``, each rank's RNG state, and the
-   broker position: the entry ids of this step's groups, not yet acknowledged;
-5. acknowledge this step's groups (``accepted``): they become *done*.
+4. when a checkpoint is due (every ``learner.checkpoint_every`` steps or
+   ``learner.checkpoint_every_s`` seconds, after the last step, and when
+   stopped on request: SIGTERM, not kill -9): save a checkpoint holding the
+   step, ``v_learner``, each rank's RNG state, and the groups held since the
+   last one (entry ids and their ledger details);
+5. once the checkpoint is durable, acknowledge the held groups: each becomes
+   *done* with its ledger ``trained`` entry (``broker.ledger``).
 
-Resume and idempotency (kill -9 at any point, restart):
+Resume (kill -9 at any point, restart): a crash loses the steps after the
+last checkpoint, and no data.
 
 - The checkpoint named by the pointer file is loaded: weights, optimizer,
-  LR schedule, RNG, step, ``v_learner``. Groups whose acknowledgement the
-  checkpoint recorded as outstanding are acknowledged now (idempotent), so a
-  group trained into the checkpointed weights is never trained again.
-- Groups trained *after* the checkpoint were either acknowledged (done: the
-  broker never delivers them again, so they are lost from the weights but
-  never trained twice) or not (still pending: taken over at start-up and
-  trained once in the resumed lineage). Entries pending for the dead learner
-  are claimed at once (``Feeder.start``).
+  LR schedule, RNG, step, ``v_learner``. The groups it records as held are
+  acknowledged now (idempotent: a group already done gets no second ledger
+  entry), so a group trained into the checkpointed weights is never trained
+  again.
+- Groups trained *after* the checkpoint were never acknowledged: they are
+  still pending, taken over at start-up (``Feeder.start``) and trained again
+  in the resumed lineage, unless a retracted version generated them.
 - Versions: let ``V`` be the checkpoint's ``v_learner`` and ``L`` the registry's
   latest. Publishing happens before the checkpoint of the same step, so
-  ``L >= V``. If ``L == V``, numbering continues at ``V + 1``. If ``L > V``
-  (versions published after the checkpoint), those versions came from
-  weights the resumed learner no longer has: it publishes its own weights at
-  once as version ``L + 1`` and continues from there. The sequence has no gap
-  and no repeat (the registry refuses both), and the acceptance rule is
-  judged against weights the learner really holds: with ``eta = 0`` groups
-  from the abandoned versions ``V+1..L`` are dropped as stale, so every
-  group used is still exactly on-policy.
+  ``L >= V``. If ``L == V``, numbering continues at ``V + 1``. If ``L > V``,
+  versions ``V+1..L`` came from weights the resumed learner no longer has:
+  they are *retracted* (``WeightRegistry.retract``: rollout servers may no
+  longer load or generate with them, and their groups are dropped as
+  ``retracted``), and the resumed weights are published at once as ``L + 1``.
+  The sequence has no gap and no repeat (the registry refuses both), and
+  staleness counts only the versions of the lineage (``broker.admission.lag``),
+  so ``eta`` keeps its meaning after a crash.
 - A version directory written but never registered (kill between write and
   register) is overwritten when that number is published; half-written temp
   directories are removed at start-up.
 
-Audit logs (``<run_dir>/<run_id>/learner/``): ``trained.jsonl`` (a line per
-step, after its acknowledgement: step, version, group ids, pid) and
-``published.jsonl``; the resume test reads them.
+When the run ends (its last step, or the control plane stopped or failed
+it) :func:`close_run` ends the groups left in the streams as
+``run_finished``/``run_stopped``/``run_failed`` and exports the ledger to
+``<run_dir>/<run_id>/ledger.jsonl``; ``tandem audit`` checks it.
+
+Logs (``<run_dir>/<run_id>/learner/``): ``trained.jsonl`` (a line per step
+this process trained: step, version, group ids, pid; steps a crash lost
+appear there and again after the resume) and ``published.jsonl``.
 
 In the code, rank 0's run is :meth:`Trainer._lead`: ``_resume`` once, then
 per step ``_feed`` (1), ``_plan`` and ``_step`` (2), ``_publish`` (3),
-``_checkpoint`` (4), the acknowledgement (5) and ``_report`` (status,
-metrics, audit log, run registry); ``_finish`` at the end. What rank 0
-tells the other ranks is a :class:`~learner.ranks.RankCommand`.
+``_checkpoint`` (4 and 5) and ``_report`` (status, metrics, log, run
+registry); ``_finish`` at the end. What rank 0 tells the other ranks is a
+:class:`~learner.ranks.RankCommand`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -68,6 +77,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from broker.admission import lag
+from broker.ledger import LEDGER_FILE
+from learner.feeder import DataTimeout
 from learner.ranks import RankChannel, RankCommand, receive
 from learner.settings import LearnerSettings
 from learner.status import Published, Status
@@ -87,6 +99,7 @@ class Paths:
 
     def __init__(self, run_dir: Path, run_id: str) -> None:
         base = Path(run_dir) / run_id
+        self.ledger = base / LEDGER_FILE
         self.weights = base / "weights"
         self.checkpoints = base / "checkpoints"
         self.logs = base / "learner"
@@ -107,8 +120,10 @@ class Batch:
 
     taken: list[tuple[Delivery, TrajectoryGroup]]
     seqs: list[TrainSeq]
+    basis: int
+    """``v_learner`` when the batch was formed (the step produces ``basis + 1``)."""
     lags: list[int]
-    """``v_learner - v`` of each group when the batch was formed: all within ``max_staleness``."""
+    """``lag(basis, v)`` of each group: all within ``max_staleness``."""
 
     @property
     def deliveries(self) -> list[Delivery]:
@@ -134,6 +149,8 @@ class Trainer:
         """Optimizer steps taken (the checkpoint's after a resume)."""
         self.version = 0
         """v_learner: the newest version this learner published (the checkpoint's after a resume)."""
+        self.held: list[tuple[Delivery, dict]] = []
+        """Groups trained since the last checkpoint, with their ledger details (acknowledged after it)."""
 
     # -- entry points -------------------------------------------------------
 
@@ -158,7 +175,13 @@ class Trainer:
 
         from learner.engine import Engine
 
-        engine = Engine(self.cfg)
+        incidents = None
+        if self.settings.redis_url:
+            from broker import Keys
+            from services.watchdog import SyncIncidentLog
+
+            incidents = SyncIncidentLog(self.settings.redis_url, Keys(self.run_id))
+        engine = Engine(self.cfg, incidents=incidents)
         self.engine = engine
         self.status.rank_count = engine.world
         state = engine.load(self.paths.checkpoints)
@@ -171,9 +194,11 @@ class Trainer:
                 await self._lead(state)
             except Exception:
                 # release the other ranks (they wait in a broadcast); a failure inside a
-                # collective cannot be helped, but a data timeout or a broker error can
+                # collective cannot be helped (the send fails too: the first error is the one raised),
+                # but a data timeout or a broker error can
                 if not self.ranks.stopped:
-                    self.ranks.send(RankCommand(step=self.step, stop=True, failed=True))
+                    with contextlib.suppress(RuntimeError):
+                        self.ranks.send(RankCommand(step=self.step, stop=True, failed=True))
                 raise
         elif not self._follow():
             raise RuntimeError("rank 0 failed; see its log")
@@ -207,23 +232,27 @@ class Trainer:
                     break
                 cmd = self._plan(batch)
                 stats, train_s = self._step(cmd)
+                self.held += [(d, {"step": self.step, "basis": batch.basis, "version": g.policy_version})
+                              for d, g in batch.taken]
+                await self.feeder.hold(batch.deliveries)
                 if cmd.publish:
                     await self._publish(self.version + 1, resume=False)
                 if cmd.checkpoint:
-                    self._checkpoint(batch.deliveries)
-                await self.feeder.ack_trained(batch.deliveries)
+                    await self._checkpoint()
                 await self._report(batch, stats, train_s)
             await self._finish()
         finally:
             await self.redis.aclose()
 
     async def _resume(self, state: dict | None) -> None:
-        """Pick up where the checkpoint left off ("Resume and idempotency" above)."""
+        """Pick up where the checkpoint left off ("Resume" above)."""
         feeder = self.feeder
         await feeder.stream.ensure_group()
         if state and state.get("unacked"):
-            # trained into the checkpointed weights: done before anything is taken over
-            await feeder.stream.ack(_deliveries(state["unacked"]))  # no counter: may be counted already
+            # trained into the checkpointed weights: done before anything is taken over (no counter:
+            # they may be counted already; no second ledger entry for a group already done)
+            held = [_held(x) for x in state["unacked"]]
+            await feeder.stream.ack([d for d, _ in held], event="trained", details=[x for _, x in held])
         await feeder.start()
         latest = await self.registry.latest()
         registered = latest.version if latest else 0
@@ -232,14 +261,24 @@ class Trainer:
                 f"the registry's latest version is {registered} but the checkpoint holds {self.version}: "
                 "the broker lost data (is Redis persistent?)"
             )
+        lost = max(0, self._last_trained_step() - self.step)
+        await feeder.ledger.append("started", pid=os.getpid(), step=self.step, version=self.version,
+                                   max_staleness=self.cfg.staleness.max_staleness, steps=self.cfg.learner.steps,
+                                   groups_per_step=self.cfg.learner.groups_per_step, lost_steps=lost)
         if registered > self.version:
             log.warning(
-                "versions %d..%d were published after the last checkpoint (step %d); "
-                "publishing the resumed weights as version %d", self.version + 1, registered, self.step, registered + 1,
+                "versions %d..%d were published after the last checkpoint (step %d; %d steps lost): retracting them "
+                "and publishing the resumed weights as version %d",
+                self.version + 1, registered, self.step, lost, registered + 1,
             )
+            await self.registry.retract(list(range(self.version + 1, registered + 1)),
+                                        checkpoint_step=self.step, lost_steps=lost)
             self.ranks.send(RankCommand(step=self.step, publish=True))
             await self._publish(registered + 1, resume=True)
-        self.saved_step = self.step
+        feeder.retracted = await self.registry.retracted()
+        self.status.lost_steps += lost
+        self.status.retracted = sorted(feeder.retracted)
+        self.saved_step, self._saved_at = self.step, time.monotonic()
         self.status.step, self.status.version = self.step, self.version
         await self._write_state()
 
@@ -253,16 +292,35 @@ class Trainer:
         cfg = self.cfg
         while True:
             self.status.state = "waiting"
-            taken = await self.feeder.next_batch(
-                self.version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
-            )
+            t0 = time.monotonic()
+            try:
+                taken = await self.feeder.next_batch(
+                    self.version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
+                )
+            except DataTimeout as e:
+                await self._starved(e, time.monotonic() - t0)
+                raise
             if taken is None:
                 return None
             seqs = build_batch([g for _, g in taken], cfg.loss, cfg.sampling.max_tokens)
             if seqs:
-                return Batch(taken, seqs, lags=[self.version - g.policy_version for _, g in taken])
+                return Batch(taken, seqs, basis=self.version,
+                             lags=[lag(self.version, g.policy_version, self.feeder.retracted) for _, g in taken])
             # every completion was overlong-filtered or empty
-            await self.feeder.stream.ack([d for d, _ in taken], counter="empty_dropped")
+            await self.feeder.stream.ack([d for d, _ in taken], counter="empty_dropped", event="dropped",
+                                         details={"reason": "empty"})
+
+    async def _starved(self, e: Exception, waited_s: float) -> None:
+        """Record the starvation that fails the run as a watchdog incident (``tandem status``, dashboard)."""
+        from services.watchdog import IncidentLog, incident
+
+        inc = incident(f"the learner of run {self.run_id} (step {self.step + 1})", f"trajectory groups: {e}",
+                       waited_s=waited_s, limit_s=self.cfg.learner.wait_timeout_s, field="learner.wait_timeout_s",
+                       action="the run fails", source="learner:rank0")
+        try:
+            await IncidentLog(self.redis, self.keys, source="learner:rank0").append(inc)
+        except Exception as e2:  # noqa: BLE001  the timeout below matters more than its record
+            log.error("could not record the incident: %r", e2)
 
     def _plan(self, batch: Batch) -> RankCommand:
         """What the step that trains ``batch`` does: every rank's rows, and whether it publishes and checkpoints."""
@@ -274,7 +332,8 @@ class Trainer:
             step=step,
             rows=split_ranks(batch.seqs, self.engine.world),
             publish=step % self.cfg.publish.every == 0,
-            checkpoint=step >= cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0),
+            checkpoint=step >= cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
+            or (cfg.checkpoint_every_s > 0 and time.monotonic() - self._saved_at >= cfg.checkpoint_every_s),
         )
 
     def _step(self, cmd: RankCommand) -> tuple[dict[str, float], float]:
@@ -302,7 +361,8 @@ class Trainer:
             await asyncio.to_thread(store.commit_volume, self.settings.run_dir_volume)
         await self.registry.publish(
             WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
-                          created_at=time.time(), bytes=written.bytes)
+                          created_at=time.time(), bytes=written.bytes),
+            step=self.step,
         )
         self.version = version
         info = Published(
@@ -332,14 +392,22 @@ class Trainer:
                 store.delete_version(self.paths.weights, v)
         await self.registry.forget(sorted(delete))
 
-    def _checkpoint(self, unacked: list[Delivery]) -> None:
-        """Save this step's checkpoint (collective), recording the groups it trained but did not yet acknowledge."""
+    async def _checkpoint(self) -> None:
+        """Save this step's checkpoint (collective) with the groups held since the last one, then
+        acknowledge them: the checkpoint holds their update."""
         state = {
             "step": self.step, "version": self.version,
-            "unacked": [[d.entry_id.decode(), d.envelope.group_id] for d in unacked],
+            "unacked": [[d.entry_id.decode(), d.envelope.group_id, x] for d, x in self.held],
         }
+        self.status.state = "checkpointing"
+        t0 = time.monotonic()
         self.engine.save(self.paths.checkpoints, checkpoint_tag(self.step), state)
-        self.saved_step = self.step
+        self.status.last_checkpoint_s = time.monotonic() - t0
+        self.saved_step, self._saved_at = self.step, time.monotonic()
+        await self.feeder.ack_trained([d for d, _ in self.held], [x for _, x in self.held])
+        log.info("checkpoint at step %d in %.2f s; %d trained groups acknowledged",
+                 self.step, self.status.last_checkpoint_s, len(self.held))
+        self.held = []
 
     async def _report(self, batch: Batch, stats: dict[str, float], train_s: float) -> None:
         """After the acknowledgement: status, audit line, metrics point, run registry, Prometheus, log."""
@@ -375,14 +443,29 @@ class Trainer:
         )
 
     async def _finish(self) -> None:
-        """The loop ended (last step, or stopped): keep the progress, release the other ranks, report."""
-        if self.saved_step < self.step < self.cfg.learner.steps:
-            # stopped on request (SIGTERM): keep the progress; every trained group is acked already
+        """The loop ended (last step, or stopped): keep the progress, release the other ranks, report;
+        a finished run's leftover groups are ended and its ledger exported."""
+        if self.saved_step < self.step:
+            # stopped on request (SIGTERM): keep the progress and acknowledge what it trained
             self.ranks.send(RankCommand(step=self.step, checkpoint=True))
-            self._checkpoint([])
+            await self._checkpoint()
         self.ranks.send(RankCommand(step=self.step, stop=True))
-        self.status.state = "done" if self.step >= self.cfg.learner.steps else "stopped"
+        done = self.step >= self.cfg.learner.steps
+        if done:
+            await close_run(self.redis, self.keys, "run_finished", self.paths.ledger)
+        self.status.state = "done" if done else "stopped"
         await self._write_state()
+
+    def _last_trained_step(self) -> int:
+        """The last step any learner of this run trained (its log survives a crash)."""
+        path = self.paths.logs / "trained.jsonl"
+        if not path.exists():
+            return 0
+        lines = path.read_text().splitlines()
+        try:
+            return json.loads(lines[-1])["step"] if lines else 0
+        except (ValueError, KeyError):  # a line cut by the crash
+            return max((json.loads(x)["step"] for x in lines[:-1]), default=0)
 
     async def _write_state(self, point: dict | None = None) -> None:
         """Progress into the run registry (when the control plane knows the run) and the metrics log."""
@@ -432,8 +515,27 @@ def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:
     return engine.full_state_dict(dtype), {}
 
 
-def _deliveries(pairs: list[list[str]]):
-    """Delivery handles of entries recorded in a checkpoint (for acknowledging them)."""
+def _held(record: list):
+    """(Delivery handle, ledger details) of a group a checkpoint recorded as held."""
     from broker import Delivery, Envelope
 
-    return [Delivery(entry_id.encode(), Envelope(gid, -1, b""), 1) for entry_id, gid in pairs]
+    entry_id, gid, *rest = record  # checkpoints before the ledger held [entry_id, group_id]
+    return Delivery(entry_id.encode(), Envelope(gid, -1, b""), 1), (rest[0] if rest else {})
+
+
+async def close_run(redis, keys, reason: str, ledger_path: Path) -> int:
+    """The run ended: end the groups left in its streams (``dropped`` with ``reason`` in the ledger)
+    and export the ledger to ``ledger_path``. Idempotent. Returns how many groups it ended."""
+    from broker import Stream
+    from broker.ledger import Ledger
+
+    ended = 0
+    for stream in (Stream.prompts(redis, keys), Stream.trajectories(redis, keys)):
+        ended += await stream.close(reason)
+    ledger = Ledger(redis, keys)
+    await ledger.append("closed", reason=reason, ended=ended)
+    ledger_path.parent.mkdir(parents=True, exist_ok=True)
+    entries = await ledger.export(ledger_path)
+    log.info("run %s ended (%s): %d groups left ended, %d ledger entries in %s",
+             keys.run_id, reason, ended, entries, ledger_path)
+    return ended

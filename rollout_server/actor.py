@@ -25,8 +25,14 @@ One group, start to end:
    never trained with a made-up 0.
 5. Hand off: append the trajectory group (behaviour log-probs, per-sample
    versions; the group's version is its oldest sample's) and ack the prompt
-   in one atomic step; the slot becomes a queued ticket until the learner
-   acks the group.
+   in one atomic step with the ledger's ``generated`` entry; the slot
+   becomes a queued ticket until the learner acks the group. A group another
+   server already handed off (a redelivery) or that the run ended meanwhile
+   is not handed off twice.
+
+The ledger (``broker.ledger``) also gets ``admitted`` when a prompt is taken
+under a ticket and ``loaded`` when a version is loaded (with its checked
+sha256).
 
 Up to ``actor_concurrency`` groups run at once, so vLLM batches them.
 
@@ -53,18 +59,30 @@ import time
 import httpx
 
 from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRegistry
+from broker.ledger import Ledger
 from broker.weights import WeightVersion
 from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
 from rollout_server.metrics import RolloutMetrics
+from rollout_server.settings import RolloutSettings
 from rollout_server.transports import WeightLoadError
 from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import RunConfig
+from services.watchdog import IncidentLog, Stalled
 
 log = logging.getLogger("tandem.rollout.actor")
 
 HEARTBEAT_S = 10.0
 LOAD_RETRY_S = 5.0
+
+
+def reward_client(rs: RolloutSettings, redis, keys: Keys, config: RunConfig) -> RewardClient:
+    """The reward server's client for one run: each call bounded by ``watchdog.score_s`` (all attempts
+    together), a call past it recorded in the run's incidents."""
+    source = f"rollout:{rs.name}"
+    return RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s,
+                        max_total_s=config.watchdog.score_s, bound_field="watchdog.score_s",
+                        incidents=IncidentLog(redis, keys, source=source), source=source)
 
 
 class BadScoreResponse(Exception):
@@ -93,6 +111,7 @@ class Actor:
         self.reward = reward
         self.server_id = server_id
         self.metrics = metrics
+        engine.watch(config.watchdog, IncidentLog(redis, keys, source=f"rollout:{server_id}"), f"rollout:{server_id}")
         st = config.staleness
         self.admission = Admission(
             redis,
@@ -107,6 +126,7 @@ class Actor:
         )
         self.trajectories = Stream.trajectories(redis, keys)
         self.registry = WeightRegistry(redis, keys)
+        self.ledger = Ledger(redis, keys)
         self._failed_load: tuple[int, float] | None = None  # (version, monotonic time) of the last failure
 
     # -- top level -------------------------------------------------------------
@@ -146,6 +166,8 @@ class Actor:
                 if not deliveries:
                     await self.admission.release(decision.ticket)
                     continue
+                await self.ledger.append("admitted", deliveries[0].envelope.group_id, server=self.server_id,
+                                         loaded_version=self.engine.version, delivery=deliveries[0].deliveries)
                 task = tg.create_task(self._group(deliveries[0], decision.ticket))
                 task.add_done_callback(lambda _t: slots.release())
                 started = True
@@ -164,6 +186,7 @@ class Actor:
     async def _catch_up(self) -> None:
         latest = await self.registry.latest()
         if latest is None or latest.version <= self.engine.version:
+            await asyncio.sleep(0.5)  # refused for a retracted version: its successor is on the way
             return
         await self._load(latest)
 
@@ -175,6 +198,8 @@ class Actor:
             wait = LOAD_RETRY_S - (time.monotonic() - at)
             if version == wv.version and wait > 0:
                 await asyncio.sleep(wait)
+        if wv.version in await self.registry.retracted():
+            return  # withdrawn by a resumed learner; it publishes the weights it holds next
         try:
             await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
         except WeightLoadError as e:
@@ -182,6 +207,7 @@ class Actor:
             log.error("cannot load published version %d: %s", wv.version, e.message)
             return
         self._failed_load = None
+        await self.ledger.append("loaded", server=self.server_id, version=wv.version, sha256=wv.sha256)
         await self.registry.report_in_use(self.server_id, self.engine.version)
 
     async def _heartbeat(self) -> None:
@@ -256,6 +282,8 @@ class Actor:
         except InvalidRequest as e:  # vLLM refused it (a limit our own check does not know)
             await self._drop(delivery, ticket, "invalid", f"engine refused the group: {e}")
             return
+        except Stalled as e:  # past watchdog.generate_s, the engine still answering: another try may do
+            return await self._retry_later(delivery, ticket, str(e))
         gen_s = time.monotonic() - t0
         self.metrics.group_gen_s.observe(gen_s)
 
@@ -298,12 +326,21 @@ class Actor:
             rollout_id=self.server_id,
             gen_s=gen_s,
         )
-        await self.prompts.handoff(
+        statuses: dict[str, int] = {}
+        for smp in samples:
+            statuses[smp.status] = statuses.get(smp.status, 0) + 1
+        handed = await self.prompts.handoff(
             delivery,
             self.trajectories,
             Envelope(pg.group_id, traj.policy_version, wire.encode(traj)),
             ticket.token,
+            server=self.server_id, version=traj.policy_version, statuses=statuses,
+            reward_mean=sum(smp.reward for smp in samples) / len(samples),
         )
+        if handed is None:
+            log.warning("group %s was handed off or ended elsewhere meanwhile; this copy is discarded", pg.group_id)
+            self.metrics.groups.labels("duplicate").inc()
+            return
         self.metrics.groups.labels("produced").inc()
 
     async def _retry_later(self, delivery: Delivery, ticket: Ticket, reason: str) -> None:

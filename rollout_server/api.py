@@ -21,6 +21,7 @@ Without Redis there is no registry and the route answers 409.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
@@ -28,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
 
 from broker import Keys, WeightRegistry, WeightVersion, connect
+from broker.ledger import Ledger
 from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import WeightLoadError, confine
@@ -35,6 +37,8 @@ from services import weightstore
 from services.app import ServiceError
 from services.runs import RunStore
 from services.wire import GenerateRequest, GenerateResponse, LoadWeights, WeightsStatus
+
+log = logging.getLogger("tandem.rollout")
 
 router = APIRouter()
 
@@ -138,6 +142,9 @@ async def published(settings: RolloutSettings, version: int) -> tuple[str, Weigh
         if record is None:
             raise ServiceError(403, f"version: {version} was not published in run {run_id} "
                                     f"(newest published: {await registry.latest_version()})")
+        if version in await registry.retracted():
+            raise ServiceError(403, f"version: {version} of run {run_id} was retracted (published after the "
+                                    "checkpoint a resumed learner restored)")
         return run_id, record
     except RedisError as e:
         raise ServiceError(503, f"weight registry unavailable: {e}", retry_after=5) from e
@@ -171,8 +178,21 @@ async def load_weights(body: LoadWeights, request: Request) -> WeightsStatus:
         raise ServiceError(403, f"sha256: {body.sha256} is not the checksum version {body.version} of run "
                                 f"{run_id} was published with")
     try:
-        return await engine.load_weights(LoadWeights(version=body.version, uri=str(path), sha256=body.sha256))
+        status = await engine.load_weights(LoadWeights(version=body.version, uri=str(path), sha256=body.sha256))
+        await _record_loaded(settings, run_id, body.version, body.sha256)
+        return status
     except WeightLoadError as e:
         raise ServiceError(e.status, e.message) from e
     except EngineDead as e:
         raise ServiceError(503, f"engine unavailable: {e}", retry_after=5) from e
+
+
+async def _record_loaded(settings: RolloutSettings, run_id: str, version: int, sha256: str) -> None:
+    """The ledger's ``loaded`` entry for a version loaded over HTTP (best effort: the load stands)."""
+    redis = connect(settings.redis_url)
+    try:
+        await Ledger(redis, Keys(run_id)).append("loaded", server=settings.name, version=version, sha256=sha256)
+    except RedisError as e:
+        log.warning("version %d loaded; its ledger entry was not written: %s", version, e)
+    finally:
+        await redis.aclose()

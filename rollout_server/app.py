@@ -25,13 +25,12 @@ from rollout_server.api import Pending, router
 from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
-from services.app import create_app
+from services.app import EXIT_STARTUP_FAILED, create_app, run_server
 from services.config import RunConfig
 
 log = logging.getLogger("tandem.rollout")
 
 EXIT_ENGINE_DEAD = 1
-EXIT_STARTUP_FAILED = 3
 
 
 def model_dir(settings: RolloutSettings, config: RunConfig | None) -> Path:
@@ -109,12 +108,12 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: E
 
 async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
     from broker import Keys, connect
-    from services.clients import RewardClient
+    from rollout_server.actor import reward_client
 
     if not rs.redis_url:
         raise ValueError("the actor loop needs Redis: set REDIS_URL")
     redis = connect(rs.redis_url)
-    reward = RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s)
+    reward = reward_client(rs, redis, Keys(rs.run_id), config)
     actor = Actor(
         eng,
         redis=redis,
@@ -151,6 +150,9 @@ def serve(settings: RolloutSettings, config: RunConfig | None = None) -> None:
     """``tandem serve rollout``: run the server until SIGINT/SIGTERM or engine death.
 
     Exits 1 when the engine (or the actor loop) died, 3 when startup failed.
+    A port that is taken is found before the engine starts; one taken while
+    it starts ends the engine again (uvicorn runs the lifespan's shutdown),
+    and the last line names the port (``services.app.run_server``).
     """
     import uvicorn
 
@@ -164,7 +166,7 @@ def serve(settings: RolloutSettings, config: RunConfig | None = None) -> None:
         server.should_exit = True
 
     app.state.request_exit = request_exit
-    server.run()
+    run_server(server, "rollout")
     if not server.started:
         sys.exit(EXIT_STARTUP_FAILED)
     if app.state.fatal is not None:

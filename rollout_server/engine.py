@@ -36,6 +36,17 @@ has one span; should one ever show two (a group's ``n`` children are added
 one by one, so a reload can fall between two *samples*, never inside one), the
 sample is tagged with the oldest and ``tandem_rollout_mixed_version_samples``
 counts it.
+
+**Watchdogs** (the run config's ``[watchdog]``, set with :meth:`Engine.watch`;
+``services.watchdog``). A generate call longer than ``generate_s`` is
+aborted; if the engine still answers a one-token probe the caller gets
+``Stalled`` (the group is redelivered; HTTP 503), else the engine is failed.
+Reading and verifying a version longer than ``reload_s`` refuses it (503,
+engine untouched, the actor retries later). A drain longer than
+``generate_s`` or an in-place load longer than ``reload_s`` leaves vLLM in an
+unknown state: the engine is failed. A failed engine is not ``alive``: the
+server's watchdog turns ``/healthz`` 503 and exits non-zero, and the
+supervisor restarts it. Each case is logged and recorded as an incident.
 """
 
 from __future__ import annotations
@@ -58,17 +69,22 @@ from typing import Any
 from rollout_server.metrics import RolloutMetrics, stat_logger_factory
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import (
+    PREPARE_THREAD,
     FilesystemTransport,
     Prepared,
     WeightLoadError,
     WeightTransport,
 )
+from services import watchdog
+from services.config import WatchdogConfig
 from services.weightstore import checkpoint_signature, reload_volume
 from services.wire import LoadWeights, Sample, WeightsStatus
 
 log = logging.getLogger("tandem.rollout")
 
 DEFAULT_CPU_KV_GIB = 1
+PROBE_S = (5.0, 30.0)
+"""Bounds of the one-token liveness probe after a stalled generate: ``watchdog.generate_s`` clipped to these."""
 
 
 class EngineDead(Exception):
@@ -154,6 +170,10 @@ class Engine:
         self.reload_s: float | None = None
         self.transports: list[WeightTransport] = [FilesystemTransport(checkpoint_signature(model_dir))]
         self._reload_lock = asyncio.Lock()
+        self.limits = WatchdogConfig()
+        """Bounds on reloads and generate calls (the run config's ``[watchdog]``; see :meth:`watch`)."""
+        self.incidents: watchdog.IncidentSink | None = None
+        self.source = "rollout"
         self._tokenizer = None
         self._broken: str | None = None
         self._closed = False
@@ -261,6 +281,26 @@ class Engine:
             return "vLLM engine core died"
         return None
 
+    def watch(self, limits: WatchdogConfig, incidents: watchdog.IncidentSink | None, source: str) -> None:
+        """Bound reloads and generate calls by ``limits`` from now on, recording incidents in ``incidents``
+        (the run's :class:`~services.watchdog.IncidentLog`) as ``source``."""
+        self.limits, self.incidents, self.source = limits, incidents, source
+
+    async def _stalled(self, what: str, on: str, *, waited_s: float, limit_s: float, field: str, action: str,
+                       stack: str = "") -> watchdog.Incident:
+        inc = watchdog.incident(what, on, waited_s=waited_s, limit_s=limit_s, field=field, action=action,
+                                source=self.source, stack=stack)
+        await watchdog.report(inc, self.incidents)
+        return inc
+
+    def _fail(self, reason: str) -> None:
+        """The engine is stuck: ``alive`` turns False, so the server's watchdog turns /healthz 503 and
+        exits non-zero for a restart (``rollout_server.app``)."""
+        if self._broken is None:
+            self._broken = reason
+        self.metrics.engine_up.set(0)
+        log.critical(reason)
+
     async def check_health(self) -> bool:
         if not self.alive:
             self.metrics.engine_up.set(0)
@@ -332,11 +372,17 @@ class Engine:
         except ValueError as e:  # SamplingParams validates its own ranges
             raise InvalidRequest(getattr(e, "parameter", None) or "body", str(e)) from e
         final = None
+        limit = self.limits.generate_s
+        t0 = time.monotonic()
         try:
             # a TokensPrompt dict: accepted by every vLLM version (newer ones log a
             # one-time deprecation note in favour of their Renderer API)
-            async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
-                final = out
+            async with asyncio.timeout(limit):  # cancelling vLLM's generate aborts the request
+                async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                    final = out
+        except TimeoutError:
+            self.metrics.requests.labels(source, "stalled").inc()
+            raise await self._generate_stalled(request_id, sampling, time.monotonic() - t0) from None
         except EngineDeadError as e:
             self.metrics.requests.labels(source, "engine_dead").inc()
             raise EngineDead(str(e) or "vLLM engine core died") from e
@@ -351,6 +397,42 @@ class Engine:
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.metrics.generated_tokens.inc(sum(len(s.token_ids) for s in samples))
         return Generation(list(final.prompt_token_ids or prompt_token_ids), samples)
+
+    async def _generate_stalled(self, request_id: str, sampling: Sampling, waited_s: float) -> Exception:
+        """A generate call outlived ``watchdog.generate_s`` (vLLM aborted it when it was cancelled).
+
+        Returns the error to raise: :class:`~services.watchdog.Stalled` (the caller leaves the
+        group for redelivery; over HTTP a 503) if the engine still answers a one-token probe,
+        else :class:`EngineDead`, the engine failed (the server exits and is restarted).
+        """
+        what = f"generate {request_id} (n={sampling.n}, max_tokens={sampling.max_tokens})"
+        on = f"the vLLM engine (version {self.version})"
+        field, limit = "watchdog.generate_s", self.limits.generate_s
+        if self._reload_lock.locked() or await self._answers():
+            # during a reload the engine is paused on purpose; the reload has its own bound
+            inc = await self._stalled(what, on, waited_s=waited_s, limit_s=limit, field=field,
+                                      action="request aborted; the group is left for redelivery")
+            return watchdog.Stalled(inc)
+        reason = (f"{what} has waited {waited_s:.1f} s on {on} (limit {limit:g} s, config {field}) "
+                  "and a one-token probe got no answer either: the engine is stuck")
+        await self._stalled(what, on, waited_s=waited_s, limit_s=limit, field=field,
+                            action="engine probe failed: the server turns unhealthy and exits for a restart")
+        self._fail(reason)
+        return EngineDead(reason)
+
+    async def _answers(self) -> bool:
+        """True if the engine generates one token within ``generate_s`` clipped to :data:`PROBE_S`."""
+        params = self._params(Sampling(n=1, temperature=1.0, max_tokens=1, seed=0))
+        try:
+            async with asyncio.timeout(min(max(self.limits.generate_s, PROBE_S[0]), PROBE_S[1])):
+                async for _ in self.llm.generate({"prompt_token_ids": [0]}, params, f"probe-{uuid.uuid4().hex}"):
+                    pass
+        except TimeoutError:
+            return False
+        except Exception as e:  # noqa: BLE001  a dead core raises its own error: not answering
+            log.error("engine probe failed: %r", e)
+            return False
+        return True
 
     def _sample(self, c: Any, request_id: str) -> Sample:
         token_ids = list(c.token_ids)
@@ -413,7 +495,7 @@ class Engine:
             try:
                 if self.volume:
                     await asyncio.to_thread(self._reload_volume)
-                prepared = await transport.prepare(request)
+                prepared = await self._prepare(transport, request)
             except WeightLoadError:
                 self.metrics.reloads.labels("refused").inc()
                 raise
@@ -449,29 +531,69 @@ class Engine:
             if not self.alive:
                 raise EngineDead(self.dead_reason or "engine is down")
             transport = self._transport(base.uri)
-            await self._apply(transport, await transport.prepare(base))
+            await self._apply(transport, await self._prepare(transport, base))
             log.info("back on the base weights of %s (version 0)", self.model_dir)
             return self.status()
 
+    async def _prepare(self, transport: WeightTransport, request: LoadWeights) -> Prepared:
+        """``transport.prepare`` within ``watchdog.reload_s``; past it the version is refused
+        (503, engine untouched: the actor retries later) and the reading thread abandoned."""
+        try:
+            return await watchdog.bounded(
+                transport.prepare(request), what=f"reload of version {request.version}",
+                on=f"reading and verifying {request.uri}", limit_s=self.limits.reload_s, field="watchdog.reload_s",
+                action=f"version refused, version {self.version} keeps serving; the actor retries later",
+                sink=self.incidents, source=self.source, thread_prefix=PREPARE_THREAD,
+            )
+        except watchdog.Stalled as e:
+            raise WeightLoadError(503, e.message) from e
+
+    async def _within(self, aw: Coroutine[Any, Any, Any], *, what: str, on: str, drain: bool = False) -> Any:
+        """Await one engine-side part of a reload within its bound (``generate_s`` for the ``drain`` of
+        requests in flight, else ``reload_s``); past it the engine is stuck in an unknown state (paused,
+        weights half-loaded): fail it (the server exits for a restart)."""
+        field = "watchdog.generate_s" if drain else "watchdog.reload_s"
+        limit = self.limits.generate_s if drain else self.limits.reload_s
+        t0 = time.monotonic()
+        task = asyncio.ensure_future(aw)
+        try:
+            async with asyncio.timeout(limit):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            stack = watchdog.task_stack(task)
+            task.cancel()
+            waited = time.monotonic() - t0
+            await self._stalled(what, on, waited_s=waited, limit_s=limit, field=field, stack=stack,
+                                action="engine failed: the server turns unhealthy and exits for a restart")
+            reason = f"{what} has waited {waited:.1f} s on {on} (limit {limit:g} s, config {field}): the engine is stuck"
+            self._fail(reason)
+            raise EngineDead(reason) from None
+
     async def _apply(self, transport: WeightTransport, prepared: Prepared) -> None:
         request = prepared.request
+        what = f"reload of version {request.version}"
         # "wait": in-flight requests finish on the old weights; new ones queue (module docstring)
-        await self.llm.pause_generation(mode="wait", clear_cache=True)
+        await self._within(self.llm.pause_generation(mode="wait", clear_cache=True), what=what,
+                           on="requests in flight to finish (vLLM pause, wait mode)", drain=True)
         try:
             try:
-                await transport.apply(self.llm, prepared)
+                await self._within(transport.apply(self.llm, prepared), what=what,
+                                   on="the in-place load in vLLM's workers")
+            except EngineDead:
+                raise
             except Exception as e:  # noqa: BLE001  the worker's error arrives as whatever it raised
                 await self._restore(e, request)
                 raise WeightLoadError(
                     422, f"version {request.version} failed to load ({e}); version {self.version} restored"
                 ) from e
-            await self.llm.update_weight_version(str(request.version))
+            await self._within(self.llm.update_weight_version(str(request.version)), what=what,
+                               on="vLLM's weight-version label")
             self.version = request.version
             self.uri = request.uri
             self.metrics.version.set(request.version)
         finally:
             if self._broken is None:
-                await self.llm.resume_generation()
+                await self._within(self.llm.resume_generation(), what=what, on="vLLM resuming generation")
 
     async def _restore(self, error: Exception, request: LoadWeights) -> None:
         """A reload failed inside vLLM, possibly half way: put the previous version back."""
@@ -480,7 +602,10 @@ class Engine:
         try:
             previous = LoadWeights(version=self.version, uri=self.uri)
             t = self._transport(self.uri)
-            await t.apply(self.llm, await t.prepare(previous))
+            await self._within(t.apply(self.llm, await self._prepare(t, previous)),
+                               what=f"restore of version {self.version}", on="the in-place load in vLLM's workers")
+        except EngineDead:
+            raise
         except Exception as e2:  # noqa: BLE001  any failure here leaves the weights unknown
             self._broken = f"weights are inconsistent after a failed reload ({error}); restore failed: {e2}"
             self.metrics.engine_up.set(0)

@@ -21,11 +21,10 @@ import time
 from pathlib import Path
 
 from broker import Keys, connect
-from rollout_server.actor import Actor, cancel_and_wait
+from rollout_server.actor import Actor, cancel_and_wait, reward_client
 from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
-from services.clients import RewardClient
 from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
 
 log = logging.getLogger("tandem.rollout")
@@ -36,7 +35,6 @@ async def follow_runs(
 ) -> None:
     """Serve active runs one after the other, until cancelled."""
     redis = connect(rs.redis_url)
-    reward = RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s)
     runs = RunWatcher(RunStore(redis), poll_s=poll_s)
     try:
         async for run in runs:
@@ -45,17 +43,19 @@ async def follow_runs(
                           run.run_id, run.config.model.path, engine.model_dir)
                 continue  # the watcher does not offer it again
             await engine.reset_to_base()  # a previous run left its last version loaded
-            actor = Actor(engine, redis=redis, keys=Keys(run.run_id), config=run.config, reward=reward,
+            keys = Keys(run.run_id)
+            reward = reward_client(rs, redis, keys, run.config)
+            actor = Actor(engine, redis=redis, keys=keys, config=run.config, reward=reward,
                           server_id=rs.name, metrics=metrics, concurrency=rs.actor_concurrency)
             task = asyncio.create_task(actor.run(), name=f"actor-{run.run_id}")
             log.info("serving run %s", run.run_id)
             try:
-                await _serve(runs, run, task, MetricsLog(redis, Keys(run.run_id)), engine, metrics, rs.name, report_s)
+                await _serve(runs, run, task, MetricsLog(redis, keys), engine, metrics, rs.name, report_s)
             finally:
                 await cancel_and_wait(task)  # a failure of the actor was raised by _serve
+                await reward.aclose()
             log.info("run %s is over", run.run_id)
     finally:
-        await reward.aclose()
         await redis.aclose()
 
 

@@ -31,14 +31,16 @@ of the store.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from services import weightstore
+from services import watchdog, weightstore
 from services.weightstore import checkpoint_signature
 from services.wire import LoadWeights
+
+PREPARE_THREAD = "tandem-weights-prepare"
+"""Name of the threads that read and verify a version (their stacks go into a reload incident)."""
 
 
 class WeightLoadError(Exception):
@@ -109,8 +111,10 @@ class FilesystemTransport:
         return "://" not in uri or uri.startswith("file://")
 
     async def prepare(self, request: LoadWeights) -> Prepared:
-        # hashing gigabytes takes seconds: keep it off the event loop
-        return await asyncio.to_thread(self._prepare, request)
+        # hashing gigabytes takes seconds: keep it off the event loop, in a thread of its own, so
+        # that a read that never returns (a hung network filesystem) holds no shared executor slot
+        # when the engine's reload bound abandons it
+        return await watchdog.in_thread(self._prepare, request, name=PREPARE_THREAD)
 
     def _prepare(self, request: LoadWeights) -> Prepared:
         try:

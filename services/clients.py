@@ -5,16 +5,25 @@ Retries live here, as pure predicates: retry transport errors, timeouts,
 request is wrong and repeating it cannot help. :func:`is_retryable` is also
 what a caller asks once the client's own attempts are spent (the rollout
 actor: leave the prompt for a later delivery, or dead-letter it).
+
+A whole call, every attempt and back-off together, is bounded by
+``max_total_s`` (the rollout server's reward client: ``watchdog.score_s``): a
+server that accepts the connection and never answers costs at most that,
+then a retryable ``httpx.TimeoutException`` naming the bound, logged and
+recorded as an incident (``services.watchdog``).
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import httpx
 from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay
 from tenacity.wait import wait_base, wait_exponential_jitter
 
-from services import wire
+from services import watchdog, wire
 from services.app import CLIENT_HEADER
 
 
@@ -51,7 +60,7 @@ class _wait_retry_after(wait_base):
 
 
 class ServiceClient:
-    """Base client: bearer auth, per-attempt timeout, bounded retries.
+    """Base client: bearer auth, per-attempt timeout, bounded retries, a bound on the whole call.
 
     Every request carries :data:`~services.app.CLIENT_HEADER`, which tells a service with auth
     off that a body-less POST (``stop_run``) comes from a client, not from a web page."""
@@ -64,23 +73,46 @@ class ServiceClient:
         timeout_s: float = 60.0,
         attempts: int = 5,
         max_total_s: float = 300.0,
+        bound_field: str = "max_total_s",
+        incidents: watchdog.IncidentSink | None = None,
+        source: str = "",
     ) -> None:
         headers = {CLIENT_HEADER: "tandem"} | ({"Authorization": f"Bearer {token}"} if token else {})
         self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.attempts = attempts
         self.max_total_s = max_total_s
+        self.bound_field = bound_field
+        """The setting ``max_total_s`` comes from, named in the timeout's message (``watchdog.score_s``)."""
+        self.incidents = incidents
+        """Where a call that ran out of ``max_total_s`` is recorded (a run's ``IncidentLog``), besides the log."""
+        self.source = source
 
     async def request(self, method: str, path: str, body: BaseModel | dict | None = None) -> httpx.Response:
+        """One call, all attempts together bounded by ``max_total_s``: a server that accepts the
+        connection and never answers costs at most that (``httpx.TimeoutException``, retryable)."""
         payload = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception(is_retryable),
-            stop=stop_after_attempt(self.attempts) | stop_after_delay(self.max_total_s),
-            wait=_wait_retry_after(max_s=10.0),
-            reraise=True,
-        ):
-            with attempt:
-                resp = await self.http.request(method, path, json=payload)
-                resp.raise_for_status()
+        t0 = time.monotonic()
+        try:
+            # tenacity's stop_after_delay is checked between attempts only; the timeout is the bound
+            async with asyncio.timeout(self.max_total_s):
+                async for attempt in AsyncRetrying(
+                    retry=retry_if_exception(is_retryable),
+                    stop=stop_after_attempt(self.attempts) | stop_after_delay(self.max_total_s),
+                    wait=_wait_retry_after(max_s=10.0),
+                    reraise=True,
+                ):
+                    with attempt:
+                        resp = await self.http.request(method, path, json=payload)
+                        resp.raise_for_status()
+        except TimeoutError:
+            url = f"{self.http.base_url}{path}"
+            inc = watchdog.incident(
+                f"{method} {path}", f"{url} (attempts of {self.http.timeout.read:g} s each)",
+                waited_s=time.monotonic() - t0, limit_s=self.max_total_s, field=self.bound_field,
+                action="retryable failure: the caller retries later", source=self.source,
+            )
+            await watchdog.report(inc, self.incidents)
+            raise httpx.TimeoutException(watchdog.message(inc), request=httpx.Request(method, url)) from None
         return resp
 
     async def healthy(self) -> bool:

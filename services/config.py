@@ -149,8 +149,11 @@ class LearnerConfig(Section):
     """Optimizer steps to train."""
     seed: int = 0
     """Seed for torch and the data order."""
-    checkpoint_every: int = Field(default=0, ge=0)
-    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+    checkpoint_every: int = Field(default=50, ge=0)
+    """Save a resumable checkpoint every N steps (0 = no step cadence). A crash loses at most the
+    steps since the last checkpoint; their groups are trained again (never lost, never twice)."""
+    checkpoint_every_s: float = Field(default=600.0, ge=0)
+    """Also save one when this many seconds passed since the last (0 = no time cadence)."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter instead of all weights (published as ``publish.lora_format`` says)."""
     wait_timeout_s: float = Field(default=600.0, gt=0)
@@ -193,6 +196,33 @@ class EvalConfig(Section):
     """0 = greedy decoding."""
 
 
+class WatchdogConfig(Section):
+    """Bounds on every wait that could otherwise stall a run silently (``services.watchdog``).
+
+    A wait past its bound is logged with what waited on what and the waiting stack, recorded as
+    an incident of the run (``tandem status``, the dashboard), and handled as each field says.
+    The sixth bound, on a learner that receives nothing, is ``learner.wait_timeout_s``."""
+
+    reload_s: float = Field(default=120.0, gt=0)
+    """A rollout server's weight reload: reading and verifying a version longer than this refuses
+    it (old weights keep serving; the actor retries later); the in-place load itself running
+    longer means the engine is stuck: the server turns unhealthy and exits to be restarted."""
+    generate_s: float = Field(default=600.0, gt=0)
+    """One generate call (a group's G samples; also how long a reload waits for requests in
+    flight to drain). Past it the request is aborted and the group left for redelivery; if the
+    engine then fails a one-token probe, the server exits to be restarted."""
+    score_s: float = Field(default=300.0, gt=0)
+    """One reward-server scoring call, all the client's attempts together; past it the actor
+    leaves the group for redelivery (``TANDEM_ROLLOUT_SCORE_TIMEOUT_S`` bounds each attempt)."""
+    step_s: float = Field(default=1800.0, gt=0)
+    """One learner optimizer step, publish gather or checkpoint save on a rank. A thread stuck in
+    DeepSpeed cannot be interrupted: past this the rank logs its stack and exits non-zero, so the
+    supervisor restarts the learner (it resumes from its last checkpoint)."""
+    collective_s: float = Field(default=900.0, gt=0)
+    """torch.distributed's process-group timeout: a collective between learner ranks (an
+    all-reduce, the command broadcast) waiting longer fails the run with an error naming it."""
+
+
 class RunConfig(Section):
     """One training run."""
 
@@ -216,6 +246,8 @@ class RunConfig(Section):
     """Weight publishing cadence and retention."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation."""
+    watchdog: WatchdogConfig = WatchdogConfig()
+    """Bounds on reloads, generate and score calls, learner steps and collectives."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -238,6 +270,17 @@ class RunConfig(Section):
             raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
         if self.publish.lora_format == "adapter" and self.learner.lora is None:
             raise ValueError("publish.lora_format = 'adapter' needs a [learner.lora] section")
+        if self.watchdog.collective_s <= self.learner.wait_timeout_s:
+            raise ValueError(
+                f"watchdog.collective_s ({self.watchdog.collective_s:g}) must be above learner.wait_timeout_s "
+                f"({self.learner.wait_timeout_s:g}): ranks > 0 wait in a broadcast while rank 0 waits for data"
+            )
+        if self.watchdog.collective_s > self.watchdog.step_s:
+            raise ValueError(
+                f"watchdog.collective_s ({self.watchdog.collective_s:g}) must be at most watchdog.step_s "
+                f"({self.watchdog.step_s:g}), so that a stuck rank fails the collective that waits on it, "
+                "with its name, before the step watchdog ends the process"
+            )
         return self
 
     def resolve_paths(self, base: Path) -> RunConfig:

@@ -11,8 +11,10 @@
 5. Make the rollout server serve the final version and evaluate again.
 6. Write ``summary.json`` and the report plots, stop the stack, move its
    directory to ``runs/<run_id>/`` and print that path as the last line.
+7. Audit the run's ledger (:mod:`services.audit`, as ``tandem audit``) and
+   put the verdict in ``summary.json`` as ``audit``.
 
-Exit code 0 only when every step succeeded.
+Exit code 0 only when every step succeeded and the audit passed.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 
 from broker import Keys, WeightRegistry, connect
 from services import wire
+from services.audit import audit_file
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import RunConfig
 from services.evaluate import EvalResult, evaluate, load_eval_set
@@ -66,8 +70,12 @@ async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatu
     async with ControlClient(stack.url("control"), stack.token) as control:
         with progress_bar("training", total=config.learner.steps) as update:
             while True:
-                stack.check()
-                st = await control.run_status(run_id)
+                stack.check()  # restarts a crashed service (the control plane too: then try again)
+                try:
+                    st = await control.run_status(run_id)
+                except httpx.TransportError:
+                    await asyncio.sleep(1.0)
+                    continue
                 lag = st.staleness.max_observed_lag
                 update(st.run.step, f"reward {st.reward_mean if st.reward_mean is not None else float('nan'):.2f}"
                                     f"  lag<={lag if lag is not None else '-'}  dropped {st.staleness.stale_dropped}")
@@ -174,7 +182,17 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         "counters": status.counters,
         "throughput": status.throughput.model_dump(),
     }
+    try:
+        verdict = audit_file(run_dir).as_dict()
+    except FileNotFoundError as e:
+        verdict = {"ok": False, "violations": 1, "first_violations": [str(e)]}
+    summary["audit"] = verdict
     write_summary(run_dir / "summary.json", summary)
+    if not verdict["ok"]:
+        raise JobError(f"the audit of {run_dir} failed ({verdict['violations']} violations; first: "
+                       f"{verdict['first_violations'][0]}); see summary.json or `tandem audit {run_dir}`")
+    console.print(f"audit: ok ({verdict['groups']['trained']} groups trained once each, "
+                  f"{verdict['groups']['dropped']} dropped with a reason, none lost)")
     return run_dir
 
 

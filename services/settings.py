@@ -192,6 +192,12 @@ class StackSettings(CommonSettings):
     stop_grace_s: float = Field(default=15.0, ge=0)
     """Seconds a service gets to exit after SIGTERM before its process group is killed
     (TANDEM_STACK_STOP_GRACE_S)."""
+    rollouts: int = Field(default=1, ge=1, le=16)
+    """Rollout servers to start (TANDEM_STACK_ROLLOUTS): ``rollout``, ``rollout-2``, ... each its own
+    vLLM engine; they share the run's admission capacity."""
+    learner_ranks: int = Field(default=1, ge=1, le=64)
+    """Learner ranks (TANDEM_STACK_LEARNER_RANKS): more than 1 starts the learner under ``torchrun``
+    (gloo on CPU, DeepSpeed ZeRO across the ranks)."""
 
 
 class ClientSettings(BaseSettings):
@@ -204,6 +210,13 @@ class ClientSettings(BaseSettings):
     http://127.0.0.1:8000."""
     token: SecretStr | None = None
     """Bearer token for the control plane (TANDEM_TOKEN)."""
+    redis_url: SecretStr | None = Field(default=None, validation_alias="REDIS_URL")
+    """`tandem audit RUN_ID` reads the run's ledger there. Unset: the local stack's `stack.json`."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _EnvByNameOnce(settings_cls)  # REDIS_URL only, not TANDEM_REDIS_URL
 
 
 def env_names(cls: type[BaseSettings]) -> set[str]:

@@ -3,7 +3,9 @@
 ``tandem up`` and ``tandem run`` use :class:`Stack`. It
 
 - starts Redis (embedded ``redis-server`` unless ``REDIS_URL`` is set), then
-  each service as ``tandem serve NAME`` on a free port, all in their own
+  each service as ``tandem serve NAME`` on a free port (``rollouts`` rollout
+  servers; the learner under ``torchrun`` when it has more than one rank),
+  all in their own
   process groups with ``PR_SET_PDEATHSIG`` (so they die with the
   supervisor even if it is killed -9), with the URLs, token and run
   directory passed as ``TANDEM_*`` variables;
@@ -11,7 +13,17 @@
 - streams their output, each line prefixed with the service name, to the
   console and to ``<run_dir>/logs/NAME.log``;
 - restarts a service that exits unexpectedly, with exponential back-off, at
-  most ``max_restarts`` times per service; beyond that the stack fails;
+  most ``max_restarts`` times per service, and the embedded Redis at once on
+  its AOF and port (the services' clients reconnect: ``broker.connect``);
+  beyond that the stack fails; ``stack.json`` names the current pids;
+- gives each service but the reward server its own ``TMPDIR`` (in one
+  ``tandem-stack-*`` directory; vLLM leaves IPC sockets there), emptied
+  whenever the service starts and removed at the end;
+- before restarting a service that exited, SIGKILLs whatever it started
+  that is still alive (a rollout server killed -9 leaves vLLM's engine core;
+  torchrun's ranks have sessions of their own): every process the stack
+  starts carries ``_TANDEM_OWNER`` in its environment, which descendants
+  inherit (``broker.processes.owned_by``);
 - on :meth:`stop` (Ctrl-C, SIGTERM) sends SIGTERM to each service, SIGKILL
   to its whole process group after a grace period, then stops Redis.
 
@@ -33,8 +45,11 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +59,15 @@ from pathlib import Path
 import httpx
 
 from broker.embedded import EmbeddedRedis
-from broker.processes import die_with_parent, free_port, stop_groups
+from broker.processes import (
+    OWNER_VARIABLE,
+    die_with_parent,
+    free_port,
+    group_members,
+    kill_owned,
+    owned_by,
+    stop_groups,
+)
 from services.settings import StackSettings
 
 SERVICES = ("reward", "control", "rollout", "learner")
@@ -62,6 +85,7 @@ START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 300, "learner": 300}
 @dataclass
 class Child:
     name: str
+    """``rollout``, ``rollout-2``, ...: the service and, beyond the first of a kind, its number."""
     port: int
     env: dict[str, str]
     args: list[str]
@@ -73,6 +97,10 @@ class Child:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kind(self) -> str:
+        return self.name.split("-")[0]
 
 
 class StackError(RuntimeError):
@@ -103,6 +131,10 @@ class Stack:
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._owner: int | None = None  # fd of the run directory's lock file while this stack holds it
+        self._info_owner: int | None = None  # the pid write_info recorded: stack.json is kept current
+        self.redis_restarts = 0
+        self._tmp_root: Path | None = None  # the services' TMPDIRs (mkdtemp, 0700), removed at stop
+        self._tag = f"{os.getpid()}-{secrets.token_hex(4)}"  # marks every process this stack starts
 
     # -- start -------------------------------------------------------------
 
@@ -116,15 +148,23 @@ class Stack:
                 self.redis = EmbeddedRedis(self.run_dir / "redis").start()
                 self.redis_url = self.redis.url
                 self.echo(f"[stack] redis-server at {self.redis.display_url} (AOF in {self.redis.data_dir})")
-            ports = {name: free_port() for name in self.services}
+            names = [n for kind in self.services
+                     for n in ([kind] + [f"{kind}-{i}" for i in range(2, self.settings.rollouts + 1)]
+                               if kind == "rollout" else [kind])]
+            ports = {name: free_port() for name in names}
             env = self._env(ports)
-            for name in self.services:
-                args = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(ports[name])]
+            for name in names:
+                kind = name.split("-")[0]
+                launcher = [sys.executable, "-m"]
+                if kind == "learner" and self.settings.learner_ranks > 1:
+                    launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node",
+                                str(self.settings.learner_ranks), "--master_port", str(free_port()), "-m"]
+                args = [*launcher, "services.cli", "serve", kind, "--port", str(ports[name])]
                 if self.config is not None:
                     args += ["--config", str(self.config)]
-                own_env = {k: v for k, v in env.items() if k != "REDIS_URL"} if name in _RUNS_SANDBOXES else env
+                own_env = {k: v for k, v in env.items() if k != "REDIS_URL"} if kind in _RUNS_SANDBOXES else env
                 self.children[name] = Child(name, ports[name], own_env, args)
-            for name in self.services:
+            for name in names:
                 self._spawn(self.children[name])
                 self._wait_healthy(self.children[name])
         except BaseException:
@@ -136,6 +176,7 @@ class Stack:
         """The services' environment: the caller's (their own TANDEM_<SERVICE>_* settings pass
         through), with what the stack decides for every service set here."""
         env = {k: v for k, v in os.environ.items() if k not in _STACK_DECIDES}
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.run_dir / "cache" / "torchinductor"))  # kept across restarts
         env.update({
             "TANDEM_TOKEN": self.token,
             "TANDEM_HOST": "127.0.0.1",
@@ -148,14 +189,19 @@ class Stack:
         return env
 
     def _spawn(self, child: Child) -> None:
+        tmp = self._tmp(child)
+        if tmp is not None:
+            self._fresh_tmp(child)
         child.proc = subprocess.Popen(
             child.args,
-            env={**cpu_split(child.name), **child.env, "TANDEM_SERVER_ID": child.name},
+            env={**cpu_split(child.kind), **child.env, "TANDEM_SERVER_ID": child.name,
+                 OWNER_VARIABLE: self._owner_tag(child),
+                 **({"TMPDIR": str(tmp)} if tmp is not None else {})},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            umask=-1 if child.name in _RUNS_SANDBOXES else 0o077,  # weights, checkpoints, logs: 0600
+            umask=-1 if child.kind in _RUNS_SANDBOXES else 0o077,  # weights, checkpoints, logs: 0600
             preexec_fn=die_with_parent,
         )
         child.started_at = time.monotonic()
@@ -172,7 +218,7 @@ class Stack:
 
     def _wait_healthy(self, child: Child) -> None:
         try:
-            wait_healthy(child.proc, child.url, START_TIMEOUT_S.get(child.name, 120))
+            wait_healthy(child.proc, child.url, START_TIMEOUT_S.get(child.kind, 120))
         except StackError as e:
             raise StackError(f"{child.name} {e}; see {self.run_dir / 'logs' / (child.name + '.log')}") from None
         self.echo(f"[stack] {child.name} ready at {child.url}")
@@ -180,7 +226,18 @@ class Stack:
     # -- supervise ---------------------------------------------------------
 
     def check(self) -> None:
-        """Restart crashed services (with back-off); raise :class:`StackError` past the limit."""
+        """Restart crashed services (with back-off) and a crashed embedded Redis (at once, on its AOF and
+        port); raise :class:`StackError` past the limit."""
+        if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None \
+                and not self._stopping.is_set():
+            code = self.redis.proc.returncode
+            self.redis_restarts += 1
+            if self.redis_restarts > self.max_restarts:
+                raise StackError(f"redis-server exited with code {code} after {self.redis_restarts - 1} restarts")
+            self.echo(f"[stack] redis-server exited with code {code}; restarting it on its AOF "
+                      f"({self.redis_restarts}/{self.max_restarts})")
+            self.redis.start()
+            self._rewrite_info()
         for child in self.children.values():
             if self._stopping.is_set() or child.proc is None or child.proc.poll() is None:
                 continue
@@ -189,12 +246,49 @@ class Stack:
                 raise StackError(f"{child.name} exited with code {code} after {child.restarts} restarts")
             child.restarts += 1
             delay = min(30.0, 2.0 ** child.restarts)
-            self.echo(f"[stack] {child.name} exited with code {code}; restart {child.restarts}/"
-                      f"{self.max_restarts} in {delay:.0f} s")
+            left = self._end_group(child)
+            self.echo(f"[stack] {child.name} exited with code {code}"
+                      + (f" ({left} processes of its group killed)" if left else "")
+                      + f"; restart {child.restarts}/{self.max_restarts} in {delay:.0f} s")
             if self._stopping.wait(delay):
                 return
             self._spawn(child)
             self._wait_healthy(child)
+            self._rewrite_info()
+
+    def _end_group(self, child: Child) -> int:
+        """After ``child`` exited: SIGKILL whatever it started that is still alive, in its process
+        group or not (vLLM's engine core outlives a rollout server killed -9; torchrun's ranks have
+        sessions of their own), and empty its temporary directory; how many were left."""
+        left = set(group_members(child.proc.pid)) | set(owned_by(self._owner_tag(child)))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.proc.pid, signal.SIGKILL)
+        kill_owned(self._owner_tag(child))
+        deadline = time.monotonic() + 10
+        while group_members(child.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._fresh_tmp(child)
+        return len(left)
+
+    def _owner_tag(self, child: Child | None = None) -> str:
+        """The value of ``OWNER_VARIABLE`` in this stack's processes (one child's, or all of them)."""
+        return f"{self._tag}/{child.name}" if child is not None else self._tag
+
+    def _tmp(self, child: Child) -> Path | None:
+        """The child's own TMPDIR (None for the reward server: its sandboxes, run as other uids, keep
+        the system's). Under the system's temporary directory, not the run directory: vLLM puts its
+        IPC sockets there, whose paths may not exceed 107 bytes."""
+        if child.kind in _RUNS_SANDBOXES:
+            return None
+        if self._tmp_root is None:
+            self._tmp_root = Path(tempfile.mkdtemp(prefix="tandem-stack-"))
+        return self._tmp_root / child.name
+
+    def _fresh_tmp(self, child: Child) -> None:
+        tmp = self._tmp(child)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(mode=0o700, parents=True)
 
     def supervise(self, until: Callable[[], bool] | None = None, poll_s: float = 1.0) -> None:
         """Keep the stack up until ``until()`` is true or :meth:`stop` is called."""
@@ -217,6 +311,10 @@ class Stack:
             for child in started:
                 if child.log_thread is not None:
                     child.log_thread.join(timeout=5)
+            kill_owned(self._owner_tag())  # what left its process group (torchrun's ranks)
+            if self._tmp_root is not None:
+                shutil.rmtree(self._tmp_root, ignore_errors=True)
+                self._tmp_root = None
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
@@ -252,8 +350,11 @@ class Stack:
         The file is written under a temporary name created 0600 and renamed over the old one, so it
         is never readable by others, even for a moment, whatever mode an older file had.
         """
+        self._info_owner = owner_pid
         info = {"urls": {name: self.url(name) for name in self.children}, "token": self.token,
-                "pid": owner_pid, "pids": self.pids(), "redis_url": self.redis_url}
+                "pid": owner_pid, "pids": self.pids(), "redis_url": self.redis_url,
+                "services": {name: c.proc.pid for name, c in self.children.items() if c.proc is not None}
+                | ({"redis": self.redis.proc.pid} if self.redis is not None and self.redis.proc else {})}
         path = self.run_dir / STACK_FILE
         tmp = path.with_name(f".{STACK_FILE}.{os.getpid()}.tmp")
         tmp.unlink(missing_ok=True)
@@ -262,6 +363,11 @@ class Stack:
             f.write(json.dumps(info))
         os.replace(tmp, path)
         return path
+
+    def _rewrite_info(self) -> None:
+        """After a restart: stack.json names the new pids (if it was written)."""
+        if self._info_owner is not None:
+            self.write_info(self._info_owner)
 
     def pids(self) -> list[int]:
         """Every process id the stack started (services and Redis)."""

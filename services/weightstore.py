@@ -41,15 +41,25 @@ renamed into place (then its parent fsynced), so a reader never sees half a
 version and a writer that dies leaves only a temp directory, which
 :func:`clean_temp` removes and :func:`on_disk` never lists.
 
+**A full disk** (:class:`RunDirectoryFull`): a version that will not fit in
+the free space (``statvfs``: what an unprivileged writer may use) is refused
+before a byte is written; one that runs out of space while it is written
+(another writer took the space, or the estimate was short: ``ENOSPC`` or
+``EDQUOT``) removes its temp directory and raises the same error. Either way
+nothing of it stays on disk, the versions already there are untouched, and
+the caller (the learner) has nothing to register.
+
 Safetensors files are written and read with the ``safetensors`` library
 (``save_file``, ``safe_open``); see :func:`write_safetensors` for the speed.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -67,6 +77,16 @@ _CHUNK = 16 << 20
 
 class WeightStoreError(Exception):
     """A weight version that is missing, unreadable, malformed or does not match its checksum."""
+
+
+class RunDirectoryFull(Exception):
+    """A version (or ``what`` else) did not fit on the disk of the run directory: nothing of it was left there."""
+
+    def __init__(self, root: Path, free: int, needed: int, what: str = "the version") -> None:
+        super().__init__(f"run directory {root} is full: {free} bytes free, {what} needs about {needed}")
+        self.root = root
+        self.free = free
+        self.needed = needed
 
 
 # -- where versions live ----------------------------------------------------------------
@@ -335,6 +355,33 @@ def write_safetensors(path: str | Path, tensors: Mapping[str, object],
     return sha, path.stat().st_size
 
 
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+# safetensors' writer (Rust) raises SafetensorError, not OSError: the errno is only in its message
+_NO_SPACE_TEXT = re.compile(rf"\(os error (?:{'|'.join(str(n) for n in sorted(_NO_SPACE))})\)")
+
+
+def free_bytes(path: str | Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem; None when the
+    filesystem reports no capacity at all (some FUSE mounts report zero blocks)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
+
+
+def version_bytes(tensors: Mapping[str, object], extra_files: Mapping[str, str] | None = None) -> int:
+    """About how many bytes a version of ``tensors`` takes on disk: the tensor data, a safetensors
+    header of at most ~200 bytes per tensor, the record, the extra files, a block per file."""
+    data = sum(t.numel() * t.element_size() for t in tensors.values())  # torch tensors
+    header = 4096 + sum(len(name) + 200 for name in tensors)
+    extra = sum(len(text.encode()) for text in (extra_files or {}).values())
+    return data + header + 4096 + extra + 4096 * (2 + len(extra_files or {}))
+
+
+def _no_space(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno in _NO_SPACE
+    return type(e).__name__ == "SafetensorError" and _NO_SPACE_TEXT.search(str(e)) is not None
+
+
 def write_version(
     root: str | Path,
     version: int,
@@ -351,11 +398,19 @@ def write_version(
     (a version written but never registered, found again after a crash).
     ``weights_name`` and ``extra_files`` (name -> text) serve the PEFT
     adapter layout (``adapter_model.safetensors`` + ``adapter_config.json``).
-    A write that fails leaves neither the version nor its temp directory.
+    A write that fails leaves neither the version nor its temp directory;
+    one that does not fit (checked first, and ``ENOSPC``/``EDQUOT`` while
+    writing) raises :class:`RunDirectoryFull`.
     """
     t0 = time.perf_counter()
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    needed = version_bytes(tensors, extra_files)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if _no_space(e):
+            raise RunDirectoryFull(root, 0, needed) from e
+        raise
     final = version_dir(root, version)
     if final.exists():
         if not replace:
@@ -364,8 +419,11 @@ def write_version(
     tmp = root / f".{final.name}{_TEMP_MARK}{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    free = free_bytes(root)
+    if free is not None and free < needed:
+        raise RunDirectoryFull(root, free, needed)
     try:
+        tmp.mkdir()
         sha, nbytes = write_safetensors(
             tmp / weights_name, tensors,
             {"format": "pt", "tandem_version": str(version), "tandem_step": str(step)},
@@ -379,8 +437,10 @@ def write_version(
                 os.fsync(f.fileno())
         _fsync(tmp)
         os.rename(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(e):
+            raise RunDirectoryFull(root, free_bytes(root) or 0, needed) from e
         raise
     _fsync(root)
     return Written(version, final, sha, nbytes, time.perf_counter() - t0)

@@ -20,7 +20,7 @@ Who sends what:
   :class:`RunRecord` (the run registry) and :class:`MetricPoint` (its time series)
 - clients (``tandem submit/status``, the dashboard) -> control plane:
   :class:`PromptSetInfo`, :class:`CreateRun` -> :class:`RunCreated`,
-  :class:`RunStatus`, :class:`MetricsPage`
+  :class:`RunStatus` (with the run's :class:`Incident` records), :class:`MetricsPage`
 """
 
 from __future__ import annotations
@@ -620,6 +620,26 @@ class Throughput(Wire):
     learner_idle_frac: float | None
 
 
+class Incident(Wire):
+    """A watchdog fired (``services.watchdog``): ``what`` waited ``waited_s`` on ``on``, past
+    ``limit_s`` (the run config's ``field``), and ``action`` is what was done about it.
+
+    Written by the process that waited (rollout server, learner rank) to the run's incidents
+    stream; ``GET /v1/runs/{id}`` returns the newest. ``stack`` is the waiting thread's or
+    task's stack when it fired (truncated)."""
+
+    at: float = Field(description="Unix time the watchdog fired.")
+    source: str = Field(max_length=200, description="Who waited: 'rollout:<server id>', 'learner:rank<r>'.")
+    what: str = Field(max_length=500)
+    on: str = Field(max_length=500, description="What it was waiting on.")
+    waited_s: float = Field(ge=0)
+    limit_s: float = Field(ge=0)
+    field: str = Field(max_length=100, description="The config field that sets the bound, e.g. watchdog.reload_s.")
+    action: str = Field(max_length=500, description="What was done: refused and retried, group redelivered, "
+                                                    "service exits for a restart, run failed.")
+    stack: str = Field(default="", max_length=20_000)
+
+
 class RunStatus(Wire):
     """``GET /v1/runs/{id}``: the record plus the latest metrics and the broker's accounting."""
 
@@ -631,6 +651,8 @@ class RunStatus(Wire):
     staleness: Staleness
     throughput: Throughput
     counters: dict[str, int]
+    incidents: list[Incident] = Field(
+        default_factory=list, description="The newest watchdog incidents of the run, newest first.")
 
 
 # --------------------------------------------------------------------------

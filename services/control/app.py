@@ -10,17 +10,25 @@ status, metrics and dashboard routes read back.
 Errors map to statuses in one place (:func:`_errors`): unknown prompt set or
 run 404, a second active run or an impossible transition 409, bad input 422
 (naming the line or field), uploads over ``max_prompt_set_bytes`` 413, and
-past ``max_stored_prompt_set_bytes`` for all sets together 507 (``services.control.prompt_sets``).
+past ``max_stored_prompt_set_bytes`` for all sets together 507 (``services.control.prompt_sets``),
+more than ``MAX_UPLOADS`` uploads at once 429 with ``Retry-After``.
+
+Under load: the control plane holds at most :data:`REDIS_CONNECTIONS` Redis
+connections (a request that finds them all busy waits up to
+:data:`REDIS_WAIT_S` for one), so a burst of dashboard polls neither opens a
+connection per request nor exhausts Redis's clients; a request Redis cannot
+serve (no free connection in time, Redis down or refusing) is 503 with
+``Retry-After``, never a 500.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-import redis.asyncio as aioredis
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
@@ -35,6 +43,7 @@ from services.control.prompt_sets import PromptSetStore
 from services.promptsets import LineError
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
 from services.settings import ControlSettings
+from services.watchdog import IncidentLog
 from services.wire import (
     REWARD_TYPES,
     CreateRun,
@@ -48,7 +57,18 @@ from services.wire import (
 )
 
 PROMPT_SETS_PATH = "/v1/prompt-sets"
+log = logging.getLogger("tandem.control")
 UPLOAD_TYPES = ("application/x-ndjson", "application/jsonl", "application/json", "text/plain", "application/octet-stream")
+
+INCIDENTS_SHOWN = 20
+"""Watchdog incidents ``GET /v1/runs/{id}`` returns (the newest)."""
+
+REDIS_CONNECTIONS = 32
+"""Redis connections the control plane holds at most (its requests share them)."""
+REDIS_WAIT_S = 5.0
+"""How long a request waits for a free Redis connection before it is answered 503."""
+REDIS_RETRY_AFTER_S = 2
+"""``Retry-After`` of a 503 for a request Redis could not serve."""
 
 router = APIRouter(prefix="/v1")
 
@@ -163,6 +183,7 @@ async def run_status(run_id: str, request: Request) -> RunStatus:
             learner_idle_frac=last.get("learner_idle_frac"),
         ),
         counters=counters,
+        incidents=await IncidentLog(state.redis, keys).recent(INCIDENTS_SHOWN),
     )
 
 
@@ -206,6 +227,13 @@ def _errors(app: FastAPI) -> None:
     async def _config(_r, e: ConfigError) -> JSONResponse:
         return JSONResponse(status_code=422, content={"detail": str(e)})
 
+    @app.exception_handler(RedisError)
+    async def _redis(_r, e: RedisError) -> JSONResponse:
+        # the type only: a Redis error's text may name the server
+        log.warning("control plane: Redis could not serve a request: %r", e)
+        return JSONResponse(status_code=503, content={"detail": f"Redis unavailable ({type(e).__name__}); retry"},
+                            headers={"Retry-After": str(REDIS_RETRY_AFTER_S)})
+
 
 def build_app(settings: ControlSettings, config: RunConfig | None = None) -> FastAPI:
     """The control plane. Uses ``settings.redis_url``, else an embedded Redis in ``run_dir/redis``.
@@ -217,7 +245,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         embedded = None if settings.redis_url else EmbeddedRedis(settings.run_dir / "redis").start()
-        redis: aioredis.Redis = connect(settings.redis_url or embedded.url)
+        redis = connect(settings.redis_url or embedded.url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_WAIT_S)
         app.state.redis = redis
         app.state.runs = RunStore(redis)
         app.state.prompt_sets = PromptSetStore(redis, settings)

@@ -57,10 +57,13 @@ def build_groups(run_id: str, lines: list[dict], config: RunConfig) -> list[Prom
 
 
 async def enqueue(redis: aioredis.Redis, keys: Keys, groups: list[PromptGroup], batch: int = 2000) -> int:
-    """Create both streams' consumer groups and append ``groups`` to the prompts stream."""
+    """Create both streams' consumer groups and append ``groups`` to the prompts stream, each with
+    its ledger's ``queued`` entry."""
     prompts = Stream.prompts(redis, keys)
     await prompts.ensure_group()
     await Stream.trajectories(redis, keys).ensure_group()
     for i in range(0, len(groups), batch):
-        await prompts.add_many([Envelope(g.group_id, NO_VERSION, encode(g)) for g in groups[i : i + batch]])
+        chunk = groups[i : i + batch]
+        await prompts.add_many([Envelope(g.group_id, NO_VERSION, encode(g)) for g in chunk],
+                               details=[{"epoch": g.epoch, "index": g.index} for g in chunk])
     return len(groups)

@@ -21,6 +21,10 @@ What an upload may cost (``ControlSettings``):
 - Redis: at most ``max_prompt_set_bytes`` stored per set (413), at most
   ``max_stored_prompt_set_bytes`` for all sets together (507), and
   ``max_prompt_set_lines`` lines (422).
+- concurrency: at most :data:`MAX_UPLOADS` uploads are parsed at once; one
+  more gets 429 with a ``Retry-After`` of about one recent upload's time
+  before its body is read, so a burst of uploads holds at most
+  ``MAX_UPLOADS`` sets in memory and in the worker threads.
 
 Storing is all or nothing: the lines go to a staging list (expiring after
 :data:`STAGING_TTL_S`, in case the control plane dies mid-upload), which one
@@ -53,6 +57,9 @@ PUSH_LINES = 1000
 """Encoded lines per ``RPUSH`` round trip while staging."""
 STAGING_TTL_S = 3600
 """A staging list left by a control plane that died mid-upload expires after this long."""
+MAX_UPLOADS = 4
+"""Uploads parsed and stored at once (each holds its encoded lines, up to ``max_prompt_set_bytes``);
+beyond, 429 with ``Retry-After``."""
 
 
 class StoredLines(LineParser):
@@ -110,13 +117,28 @@ class PromptSetStore:
     def __init__(self, redis: aioredis.Redis, settings: ControlSettings | None = None) -> None:
         self.redis = redis
         self.settings = settings if settings is not None else ControlSettings.model_construct()
+        self.uploading = 0
+        self._upload_s = 1.0  # moving average of an upload's time, for Retry-After
 
     async def upload(self, chunks: AsyncIterable[bytes], default_type: str) -> PromptSetInfo:
         """Parse ``chunks`` (a request body as it streams) off the event loop, then store the set.
 
         Raises :class:`ServiceError`: 422 naming each bad line and field, 413 when
-        the stored form is too large, 507 when every set together would be.
+        the stored form is too large, 507 when every set together would be, 429
+        (before ``chunks`` is read) while :data:`MAX_UPLOADS` others are in progress.
         """
+        if self.uploading >= MAX_UPLOADS:
+            raise ServiceError(429, f"{self.uploading} prompt-set uploads in progress, the most this control "
+                                    "plane takes at once; retry later", retry_after=max(1.0, self._upload_s))
+        self.uploading += 1
+        start = time.monotonic()
+        try:
+            return await self._upload(chunks, default_type)
+        finally:
+            self.uploading -= 1
+            self._upload_s = 0.8 * self._upload_s + 0.2 * (time.monotonic() - start)
+
+    async def _upload(self, chunks: AsyncIterable[bytes], default_type: str) -> PromptSetInfo:
         parser = StoredLines(default_type, self.settings)
         try:
             async for piece in _batched(chunks, FEED_BYTES):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.processes import group_members
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
@@ -38,19 +39,6 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def _group_members(pgids: set[int]) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if int(fields[2]) in pgids and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
 
 
 def _write_config(tmp_path: Path, model: Path) -> Path:
@@ -149,6 +137,6 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
     pids = info["pids"]
     assert pids and not [p for p in pids if _alive(p)], "a service outlived tandem up"
-    assert not _group_members(set(pids)), "a process of a service's group outlived tandem up"
+    assert not [p for pgid in pids for p in group_members(pgid)], "a process of a service's group outlived tandem up"
     # 200 held-out prompts (one is 0.5 points): a 5-point margin is not rounding luck
     assert after >= before + 0.05, f"held-out accuracy did not rise: {before:.3f} -> {after:.3f}"

@@ -3,8 +3,10 @@
 - on-policy (eta = 0), 2 ranks, ZeRO-3: every group trained for version v+1 came from v; older
   groups are dropped and counted; bad payloads are dead-lettered with a reason
   while training continues; versions are published and registered in order;
-- kill -9 mid-run and restart: resumes from the last checkpoint, no
-  acknowledged group trained twice, versions continue with no gap or repeat.
+- kill -9 mid-run and restart: resumes from the last checkpoint; the lost
+  step's groups are trained again (acknowledged only after a durable
+  checkpoint), none twice in the kept lineage; the lost version is retracted
+  and numbering continues with no gap or repeat; the ledger audits clean.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.slow
 async def _produce(
     redis, keys, stop: asyncio.Event, *, stale_every: int = 0, backlog: int = 4, limit: int = 1 << 30
 ) -> list[str]:
-    """Play the rollout side: keep ``backlog`` groups of the latest version queued (``limit`` in all).
+    """Play the rollout side: keep ``backlog`` groups of the latest version queued and unread (``limit`` in all).
 
     With ``stale_every = k``, every k-th group is tagged one version older
     than the latest (when there is one), which eta = 0 must refuse.
@@ -37,7 +39,7 @@ async def _produce(
     made: list[str] = []
     i = 0
     while not stop.is_set() and len(made) < limit:
-        if await stream.backlog() < backlog:
+        if await stream.backlog() - await stream.pending() < backlog:  # unread (held entries are pending)
             v = await registry.latest_version()
             i += 1
             if stale_every and i % stale_every == 0 and v > 0:
@@ -132,7 +134,7 @@ async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_pro
         await producer
         killed_at = max(t["step"] for t in read_jsonl(logs / "trained.jsonl"))
         assert killed_at == 3
-        # one group queued while no learner runs: it must be trained after the restart
+        # queued while no learner runs, by the version the crash lost: it must be dropped as retracted
         queued = await add_group(redis, keys, 3, seed=999)
         producer = asyncio.create_task(_produce(redis, keys, stop, backlog=2))
         second = learner_proc(cfg_path, keys.run_id, run_dir)
@@ -150,17 +152,35 @@ async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_pro
     assert [t["step"] for t in before] == [1, 2, 3]
     # resumed from the checkpoint: the second learner's steps continue at 3
     assert [t["step"] for t in after] == [3, 4, 5, 6]
-    # no acknowledged group trained twice (each line is written after its groups were acked)
-    all_groups = [g for t in trained for g in t["groups"]]
-    assert len(all_groups) == len(set(all_groups))
-    assert queued in all_groups  # lag 1 against the resume version: accepted under eta = 1
+    # step 3 was lost with the crash, its groups were not: never acknowledged (no durable checkpoint held
+    # them), they were delivered again to the resumed learner, which trained them again or dropped them as
+    # stale: after v3's retraction the resumed weights are v4, which counts as one version (the copy of v2)
+    lost = before[-1]["groups"]
+    kept = [g for t in before[:2] for g in t["groups"]]
+    all_groups = [g for t in after for g in t["groups"]]
+    ledger = read_jsonl(run_dir / keys.run_id / "ledger.jsonl")
+    dropped = {x["g"]: x["d"] for x in ledger if x["e"] == "dropped"}
+    for g in lost:
+        assert any(x["e"] == "handed" and x["g"] == g and x["d"]["delivery"] == 2 for x in ledger), g
+        assert (g in all_groups) != (g in dropped), g
+        assert g in all_groups or dropped[g]["reason"] == "stale", dropped[g]
+    assert not set(kept) & set(all_groups) and len(all_groups) == len(set(all_groups))
+    assert queued not in all_groups and dropped[queued]["reason"] == "retracted"
     done = Stream.trajectories(redis, keys)
-    for g in all_groups:
+    for g in kept + all_groups + [queued]:
         assert await done.is_done(g)
+    # the ledger, exported when the run finished, audits clean: each group trained once, in the kept lineage
+    from services.audit import audit_file
+
+    verdict = audit_file(run_dir / keys.run_id)
+    assert verdict.ok, verdict.violations
+    assert (verdict.trained, verdict.trained_twice, verdict.lost) == (12, 0, 0)
+    assert (verdict.retracted, verdict.lost_steps, verdict.starts, verdict.steps) == ([killed_at], 1, 2, 6)
 
     # versions: 1..killed_at by the first learner, then the resume version, then one per step; no gap, no repeat
     published = [p["version"] for p in read_jsonl(logs / "published.jsonl")]
     assert published == list(range(1, len(published) + 1))
+    assert await WeightRegistry(redis, keys).retracted() == {killed_at}
     resume = [p for p in read_jsonl(logs / "published.jsonl") if p["resume"]]
     assert len(resume) == 1 and resume[0]["version"] == killed_at + 1 and resume[0]["step"] == 2
     assert st["version"] == published[-1] == killed_at + 1 + 4
@@ -195,7 +215,9 @@ async def _wait_run(store, run_id: str, predicate, timeout_s: float, what: str):
 async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
     control_db_url, control_redis, tiny_model, tmp_path, learner_proc
 ):
-    """No TANDEM_RUN_ID: the learner follows the run registry (services.runs.RunWatcher), one run after the other."""
+    """No TANDEM_RUN_ID: the learner, two ranks here (as `tandem up` with TANDEM_STACK_LEARNER_RANKS=2 starts
+    it), follows the run registry (services.runs.RunWatcher), one run after the other; rank 1 follows the
+    same runs and rank 0 tells it when each ends."""
     import tomllib
 
     from broker import Keys
@@ -210,7 +232,7 @@ async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
 
     config(2)
     # stack mode: the file named on the command line is ignored, each run brings its own config
-    proc = learner_proc(tmp_path / "run-2.toml", None, url=control_db_url)
+    proc = learner_proc(tmp_path / "run-2.toml", None, url=control_db_url, nproc=2)
     await _wait(proc, lambda s: s["state"] == "idle" and s["run_id"] is None, 120, "an idle learner")
 
     # a run whose config no longer validates is failed with the reason, and the learner goes on
@@ -218,19 +240,24 @@ async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
     bad = await _wait_run(store, "stack-bad", lambda r: r.state == "failed", 30, "the bad run to fail")
     assert "loss.eps_hihg: unknown field" in bad.error
 
-    stop = asyncio.Event()
-    await store.create("stack-1", "ps-x", config(2))
-    producer = asyncio.create_task(_produce(control_redis, Keys("stack-1"), stop))
-    try:
-        done = await _wait_run(store, "stack-1", lambda r: r.state == "finished", 300, "stack-1 to finish")
-    finally:
-        stop.set()
-        await producer
-    assert (done.step, done.policy_version) == (2, 2)
+    async def train(run_id: str) -> None:
+        """Create a 2-step run, feed it until it finishes."""
+        stop = asyncio.Event()
+        await store.create(run_id, "ps-x", config(2))
+        producer = asyncio.create_task(_produce(control_redis, Keys(run_id), stop))
+        try:
+            done = await _wait_run(store, run_id, lambda r: r.state == "finished", 300, f"{run_id} to finish")
+        finally:
+            stop.set()
+            await producer
+        assert (done.step, done.policy_version) == (2, 2)
+
+    await train("stack-1")
     assert proc.status()["run_id"] == "stack-1" and proc.status()["state"] == "done"
+    assert proc.status()["rank_count"] == 2
 
     # stopped from the control plane mid-run: the learner stops training it and leaves it stopped
-    stop.clear()
+    stop = asyncio.Event()
     await store.create("stack-2", "ps-x", config(50))
     producer = asyncio.create_task(_produce(control_redis, Keys("stack-2"), stop))
     try:
@@ -243,3 +270,13 @@ async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
     assert 1 <= st["step"] < 50
     record = await store.get("stack-2")
     assert record.state == "stopped" and record.step == st["step"]
+    # each run's ledger was closed with its reason and exported
+    from services.audit import audit_file
+
+    for run_id, reason in (("stack-1", "run_finished"), ("stack-2", "run_stopped")):
+        closed = [x for x in read_jsonl(tmp_path / "runs" / run_id / "ledger.jsonl") if x["e"] == "closed"]
+        assert closed and closed[-1]["d"]["reason"] == reason, (run_id, closed)
+    assert audit_file(tmp_path / "runs" / "stack-2").steps == st["step"]
+
+    # and a third run after the stop: rank 1 took the runs in step with rank 0
+    await train("stack-3")

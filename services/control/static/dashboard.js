@@ -71,6 +71,20 @@ function renderStatus(s) {
   }
 }
 
+// Watchdog incidents (newest first): what waited on what, how long, the bound, what was done.
+function renderIncidents(s) {
+  const list = document.getElementById("incident-list");
+  list.replaceChildren();
+  const incidents = s.incidents || [];
+  document.getElementById("incidents").hidden = incidents.length === 0;
+  for (const i of incidents) {
+    const when = new Date(i.at * 1000).toISOString().replace("T", " ").slice(0, 19);
+    const text = `${when} ${i.source}: ${i.what} has waited ${i.waited_s.toFixed(1)} s on ${i.on} ` +
+      `(limit ${i.limit_s} s, config ${i.field}); ${i.action}`;
+    list.append(el("li", { class: "incident" }, text));
+  }
+}
+
 // One series per metric; where several sources report one metric (two rollout servers'
 // tokens/s), one series per source, so their points are not joined into one zigzag line.
 function seriesKeys(names) {
@@ -191,6 +205,7 @@ async function refresh() {
         next = page.next;
       } while (page.points.length === PAGE);
       renderStatus(status);
+      renderIncidents(status);
       document.getElementById("run").hidden = false;
       renderCharts(status);
     }

@@ -1,0 +1,205 @@
+"""``tandem audit``: check a run's ledger (``broker.ledger``) and say whether it trained on exactly what it should.
+
+The checks, each a violation when it fails:
+
+- every group the control plane queued was queued once, and every group the
+  ledger mentions was queued;
+- once the run is closed, every queued group ended exactly once: trained, or
+  dropped with a reason (a group with no end is *lost*); before that, at most
+  once (the rest are reported as open);
+- no group was trained twice, nor both trained and dropped;
+- every trained group was generated, by the version it was trained as, and
+  within ``eta`` of the step that used it: ``0 <= lag(basis, version) <= eta``
+  with retracted versions not counted (``broker.admission.lag``), and never
+  from a retracted version;
+- no step trained more groups than ``learner.groups_per_step``;
+- weight versions were published contiguously (each one more than the
+  last, none twice), every retracted version was published, and every
+  version a rollout server loaded was published with the sha256 it loaded,
+  and not loaded after it was retracted.
+
+Reported as well: groups by outcome and drop reason, learner (re)starts,
+steps lost to crashes, retracted versions, the largest lag. Light module (no
+Redis client needed to audit a file).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from broker.admission import lag
+from broker.ledger import LEDGER_FILE, read_file
+
+TERMINAL = ("trained", "dropped")
+MAX_LISTED = 20
+
+
+@dataclass
+class Audit:
+    """The verdict and what it rests on (``as_dict`` is what summary.json and ``--json`` show)."""
+
+    violations: list[str] = field(default_factory=list)
+    closed: str | None = None
+    """Why the run ended (``run_finished``, ...); None while it is live."""
+    queued: int = 0
+    trained: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    generated_by: Counter[str] = field(default_factory=Counter)
+    """Groups handed off, by rollout server."""
+    open: int = 0
+    lost: int = 0
+    trained_twice: int = 0
+    starts: int = 0
+    lost_steps: int = 0
+    steps: int = 0
+    published: list[int] = field(default_factory=list)
+    retracted: list[int] = field(default_factory=list)
+    loads_checked: int = 0
+    max_lag: int | None = None
+    max_staleness: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def violate(self, message: str) -> None:
+        self.violations.append(message)
+
+    def as_dict(self) -> dict:
+        return {
+            "ok": self.ok, "violations": len(self.violations), "first_violations": self.violations[:MAX_LISTED],
+            "closed": self.closed, "groups": {"queued": self.queued, "trained": self.trained,
+                                              "dropped": sum(self.dropped.values()), "open": self.open},
+            "dropped_by_reason": dict(sorted(self.dropped.items())),
+            "generated_by": dict(sorted(self.generated_by.items())),
+            "lost": self.lost, "trained_twice": self.trained_twice, "steps": self.steps,
+            "learner_starts": self.starts, "lost_steps": self.lost_steps,
+            "versions": {"published": len(self.published), "last": self.published[-1] if self.published else None,
+                         "retracted": self.retracted, "loads_checked": self.loads_checked},
+            "max_lag": self.max_lag, "max_staleness": self.max_staleness,
+        }
+
+
+def audit(entries: list[dict]) -> Audit:
+    """Check ``entries`` (oldest first, as ``Ledger.read`` or ``read_file`` return them)."""
+    a = Audit()
+    queued: Counter[str] = Counter()
+    ends: dict[str, list[dict]] = defaultdict(list)
+    generated: dict[str, dict] = {}
+    sha: dict[int, str] = {}
+    retracted: set[int] = set()
+    per_step: Counter[int] = Counter()
+    eta = groups_per_step = None
+    for e in entries:
+        kind, gid, d = e["e"], e["g"], e["d"]
+        if kind == "queued":
+            queued[gid] += 1
+        elif kind == "started":
+            a.starts += 1
+            a.lost_steps += d.get("lost_steps", 0)
+            eta, groups_per_step = d.get("max_staleness"), d.get("groups_per_step")
+            a.max_staleness = eta
+        elif kind == "generated":
+            generated[gid] = d
+            a.generated_by[d.get("server", "?")] += 1
+        elif kind in TERMINAL:
+            ends[gid].append(e)
+            if kind == "trained":
+                _check_trained(a, gid, d, generated.get(gid), eta, retracted)
+                per_step[d["step"]] += 1
+        elif kind == "published":
+            v = d["version"]
+            if v in sha:
+                a.violate(f"version {v} published twice")
+            elif a.published and v != a.published[-1] + 1:
+                a.violate(f"version {v} published after {a.published[-1]}: not contiguous")
+            sha[v] = d["sha256"]
+            a.published.append(v)
+        elif kind == "retracted":
+            for v in d["versions"]:
+                if v not in sha:
+                    a.violate(f"version {v} retracted but never published")
+            retracted.update(d["versions"])
+        elif kind == "loaded":
+            v = d["version"]
+            a.loads_checked += 1
+            if v not in sha:
+                a.violate(f"{d.get('server')} loaded version {v}, which was never published")
+            elif d["sha256"] != sha[v]:
+                a.violate(f"{d.get('server')} loaded version {v} with sha256 {d['sha256'][:12]}, "
+                          f"published as {sha[v][:12]}")
+            elif v in retracted:
+                a.violate(f"{d.get('server')} loaded version {v} after it was retracted")
+        elif kind == "closed":
+            a.closed = d.get("reason", "closed")
+        if gid and kind not in ("queued", "closed") and gid not in queued:
+            a.violate(f"group {gid}: {kind} but never queued")
+    a.queued = len(queued)
+    a.retracted = sorted(retracted)
+    a.steps = max(per_step, default=0)
+    for gid, n in queued.items():
+        if n > 1:
+            a.violate(f"group {gid} queued {n} times")
+    for gid in queued:
+        got = ends.get(gid, [])
+        kinds = [x["e"] for x in got]
+        a.trained += kinds.count("trained")
+        for x in got:
+            if x["e"] == "dropped":
+                a.dropped[x["d"].get("reason", "unknown")] += 1
+        if kinds.count("trained") > 1:
+            a.trained_twice += 1
+            a.violate(f"group {gid} trained {kinds.count('trained')} times")
+        if len(got) > 1 and kinds.count("trained") <= 1:
+            a.violate(f"group {gid} ended {len(got)} times: {', '.join(_outcome(x) for x in got)}")
+        if not got:
+            a.open += 1
+    if a.closed is not None and a.open:
+        a.lost = a.open
+        a.violate(f"{a.open} queued groups never ended (lost) although the run was closed ({a.closed})")
+    if groups_per_step:
+        for step, n in sorted(per_step.items()):
+            if n > groups_per_step:
+                a.violate(f"step {step} trained {n} groups (groups_per_step {groups_per_step})")
+    return a
+
+
+def _check_trained(a: Audit, gid: str, d: dict, gen: dict | None, eta: int | None, retracted: set[int]) -> None:
+    if gen is None:
+        a.violate(f"group {gid} trained at step {d['step']} but never generated")
+        return
+    if gen["version"] != d["version"]:
+        a.violate(f"group {gid} generated by version {gen['version']} but trained as version {d['version']}")
+    if d["version"] in retracted:
+        a.violate(f"group {gid} trained at step {d['step']} from retracted version {d['version']}")
+    k = lag(d["basis"], d["version"], retracted)
+    a.max_lag = k if a.max_lag is None else max(a.max_lag, k)
+    if eta is not None and not 0 <= k <= eta:
+        a.violate(f"group {gid} trained at step {d['step']} with lag {k} (version {d['version']} against "
+                  f"{d['basis']}; max_staleness {eta})")
+
+
+def _outcome(e: dict) -> str:
+    return "trained" if e["e"] == "trained" else f"dropped ({e['d'].get('reason')})"
+
+
+def find_ledger(path: Path) -> Path:
+    """``path`` itself, its ``ledger.jsonl``, or the one ``ledger.jsonl`` one level below (a ``tandem run``
+    directory holds the run's files under ``<run_id>/``)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if (path / LEDGER_FILE).is_file():
+        return path / LEDGER_FILE
+    found = sorted(path.glob(f"*/{LEDGER_FILE}"))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise FileNotFoundError(f"{path}: no {LEDGER_FILE} here or one level below (is the run finished?)")
+    raise FileNotFoundError(f"{path}: several ledgers ({', '.join(str(f) for f in found)}); name one")
+
+
+def audit_file(path: Path) -> Audit:
+    return audit(read_file(find_ledger(path)))

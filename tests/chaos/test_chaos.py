@@ -1,0 +1,77 @@
+"""Faults during a real run of the example task under ``tandem up`` (tests/chaos/harness.py).
+
+``test_short_chaos`` (in ``make test``): the learner, the rollout server and
+Redis killed -9 (Redis restarted on its AOF) and the reward server paused
+past the rollout server's timeout, during a 30-step run. ``test_every_fault`` (``make chaos``,
+marked ``chaos``: not in ``make test``): every service killed -9 in turn and
+the reward and rollout servers paused, during a 60-step run; it prints the
+README's reliability table and writes it to ``$CHAOS_RESULTS`` when set;
+``test_two_rollout_servers_and_two_learner_ranks`` (also ``make chaos``)
+runs the example with two rollout servers and two learner ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.harness import LEASE_S, SCORE_TIMEOUT_S, Fault, as_json, run_chaos
+
+pytestmark = pytest.mark.slow
+
+
+def check(report, min_gain: float = 0.03) -> None:
+    print(report.table())
+    print(as_json(report))
+    assert report.final_state == "finished", report
+    assert report.audit_exit == 0 and report.audit["ok"], report.audit
+    assert report.audit["lost"] == 0 and report.audit["trained_twice"] == 0
+    assert report.audit["steps"] == report.steps
+    assert report.audit["groups"]["open"] == 0
+    assert report.up_exit == 0
+    assert not report.leftover_processes, f"processes left: {report.leftover_processes}"
+    assert not report.leftover_tmp, f"temporary directories left: {report.leftover_tmp}"
+    for name, after in report.fds_after.items():  # no growth once pools are warm (same process)
+        assert after <= report.fds_mid[name] + 8, (name, report.fds_mid[name], after)
+    # 200 held-out prompts (one is 0.5 points): a 3-point margin is not rounding luck
+    assert report.accuracy_after >= report.accuracy_before + min_gain, (report.accuracy_before, report.accuracy_after)
+
+
+@pytest.mark.timeout(1800)
+def test_short_chaos(tmp_path, arith_model):
+    faults = [Fault("learner", "kill", at_step=8), Fault("rollout", "kill", at_step=13),
+              Fault("redis", "kill", at_step=17), Fault("reward", "pause", at_step=21, pause_s=SCORE_TIMEOUT_S * 2.5)]
+    report = run_chaos(tmp_path, arith_model, steps=30, faults=faults)
+    check(report)
+    learner = report.outcomes[0]
+    assert learner.new_pid != learner.old_pid
+    assert report.audit["learner_starts"] == 2 and report.audit["lost_steps"] >= 1  # checkpoint every 5: 8 -> 5
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(3600)
+def test_every_fault(tmp_path, arith_model):
+    faults = [Fault("learner", "kill", at_step=8), Fault("rollout", "kill", at_step=14),
+              Fault("reward", "kill", at_step=20), Fault("control", "kill", at_step=26),
+              Fault("redis", "kill", at_step=32), Fault("reward", "pause", at_step=38, pause_s=SCORE_TIMEOUT_S * 2.5),
+              Fault("rollout", "pause", at_step=44, pause_s=LEASE_S * 1.5)]
+    report = run_chaos(tmp_path, arith_model, steps=60, faults=faults)
+    if os.environ.get("CHAOS_RESULTS"):
+        Path(os.environ["CHAOS_RESULTS"]).write_text(as_json(report) + "\n")
+    check(report)
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(3600)
+def test_two_rollout_servers_and_two_learner_ranks(tmp_path, arith_model):
+    """The example job with two rollout servers (two vLLM engines) and a learner of two ranks (torchrun,
+    ZeRO-2 over gloo), the learner killed -9 once: the audit passes."""
+    report = run_chaos(tmp_path, arith_model, steps=20, faults=[Fault("learner", "kill", at_step=7)],
+                       stack_env={"TANDEM_STACK_ROLLOUTS": "2", "TANDEM_STACK_LEARNER_RANKS": "2"})
+    if os.environ.get("CHAOS_RESULTS"):
+        path = Path(os.environ["CHAOS_RESULTS"])
+        path.with_name(path.stem + "-2x2.json").write_text(as_json(report) + "\n")
+    check(report, min_gain=0.0)
+    assert set(report.audit["generated_by"]) == {"rollout", "rollout-2"}, report.audit["generated_by"]
