@@ -39,7 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.asyncio.retry import Retry
+from redis.exceptions import AuthenticationError, ResponseError
 
 from broker.keys import Keys
 from broker.ledger import LUA as LEDGER_LUA
@@ -66,15 +67,25 @@ def connect(url: str, *, max_connections: int | None = None, wait_s: float = 5.0
     many connections, and a command that finds them all busy waits up to ``wait_s`` for one (then
     ``redis.ConnectionError``).
     """
-    from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
     options = dict(decode_responses=False, health_check_interval=30,
-                   retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES))
+                   retry=_Reconnect(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES))
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s, **options)
     return aioredis.Redis.from_pool(pool)
+
+
+class _Reconnect(Retry):
+    """Retry a lost connection, not a refused one: a wrong password (``AuthenticationError``, a
+    ``ConnectionError`` to redis-py) fails at once instead of after every attempt."""
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(e: Exception) -> bool:
+            return not isinstance(e, AuthenticationError) and (is_retryable is None or is_retryable(e))
+
+        return await super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
 class QueueFull(Exception):

@@ -127,12 +127,12 @@ class RunFollower:
                 if trainer.status.state == "done":  # the trainer closed the run's ledger
                     await store.set_state(run.run_id, "finished")
                 elif trainer.status.state == "failed":
-                    await close_run(redis, Keys(run.run_id), "run_failed", trainer.paths.ledger)
                     await store.set_state(run.run_id, "failed", error=trainer.status.error or "learner failed")
+                    await _close(redis, Keys(run.run_id), "run_failed", trainer)
                 elif await store.is_live(run.run_id):  # stopped by SIGTERM, not by the user: leave it running
                     return
                 else:  # stopped from the control plane
-                    await close_run(redis, Keys(run.run_id), "run_stopped", trainer.paths.ledger)
+                    await _close(redis, Keys(run.run_id), "run_stopped", trainer)
         finally:
             await redis.aclose()
 
@@ -142,6 +142,15 @@ class RunFollower:
         async for _ in runs.while_live(run_id):
             pass
         trainer.stop_event.set()
+
+
+async def _close(redis, keys, reason: str, trainer: Trainer) -> None:
+    """End a failed or stopped run's ledger (``close_run``); its own failure (the full disk that failed
+    the run, say) is logged, not raised: the run's state is set already."""
+    try:
+        await close_run(redis, keys, reason, trainer.paths.ledger)
+    except Exception:
+        log.exception("could not close the ledger of run %s (%s)", keys.run_id, reason)
 
 
 def serve(settings: LearnerSettings, config: RunConfig | None) -> None:

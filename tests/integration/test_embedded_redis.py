@@ -79,3 +79,37 @@ def test_stop_ends_the_process_group(tmp_path):
     server.stop()
     assert not _alive(pid)
     assert (tmp_path / "appendonlydir").is_dir()  # AOF lives in the data dir
+
+
+async def test_a_client_rides_out_a_restart_and_a_wrong_password_fails_at_once(tmp_path):
+    """broker.connect retries a lost connection (a Redis restarted on its AOF is a pause), but not a refusal."""
+    import asyncio
+
+    import pytest
+    from redis.exceptions import AuthenticationError
+
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    redis = connect(server.url)
+    try:
+        await redis.set("k", "before")
+        server.kill()
+
+        async def restart_later() -> None:
+            await asyncio.sleep(1.5)
+            await asyncio.to_thread(server.start)  # same directory, port and password
+
+        restarting = asyncio.create_task(restart_later())
+        t0 = time.monotonic()
+        assert await redis.get("k") == b"before"  # issued while Redis is down: waits for it, then answers
+        assert 1.0 < time.monotonic() - t0 < 20
+        await restarting
+
+        wrong = connect(server.url.replace(server.password, "not-the-password"))
+        t0 = time.monotonic()
+        with pytest.raises(AuthenticationError):
+            await wrong.ping()
+        assert time.monotonic() - t0 < 2
+        await wrong.aclose()
+    finally:
+        await redis.aclose()
+        server.stop()
