@@ -106,24 +106,28 @@ class Report:
         return "\n".join(rows)
 
 
-def write_config(tmp: Path, model: Path, steps: int) -> Path:
-    """The example's run.toml on ``model`` with ``steps`` steps, a checkpoint every 5, and short leases."""
+def write_config(tmp: Path, model: Path, steps: int, *, faults: bool = True) -> Path:
+    """The example's run.toml on ``model`` with ``steps`` steps and eta = :data:`ETA`; with ``faults``, a
+    checkpoint every 5 steps and leases of :data:`LEASE_S` as well (``tests/e2e`` uses the example's)."""
     raw = tomllib.loads((ROOT / "examples/arith/run.toml").read_text())
     text = (ROOT / "examples/arith/run.toml").read_text()
     text = text.replace(raw["model"]["path"], str(model))
     text = text.replace('train = "train.jsonl"', f'train = "{ROOT / "examples/arith/train.jsonl"}"')
     text = text.replace('eval = "eval.jsonl"', f'eval = "{ROOT / "examples/arith/eval.jsonl"}"')
     text = text.replace(f"steps = {raw['learner']['steps']}", f"steps = {steps}")
-    if "checkpoint_every" in raw["learner"]:
-        text = text.replace(f"checkpoint_every = {raw['learner']['checkpoint_every']}", "checkpoint_every = 5")
-    else:
-        text = text.replace(f"steps = {steps}", f"steps = {steps}\ncheckpoint_every = 5")
-    text = text.replace(f"max_staleness = {raw['staleness']['max_staleness']}",
-                        f"max_staleness = {ETA}\nlease_s = {LEASE_S}\nvisibility_timeout_s = {LEASE_S}")
+    staleness = f"max_staleness = {ETA}"
+    if faults:
+        if "checkpoint_every" in raw["learner"]:
+            text = text.replace(f"checkpoint_every = {raw['learner']['checkpoint_every']}", "checkpoint_every = 5")
+        else:
+            text = text.replace(f"steps = {steps}", f"steps = {steps}\ncheckpoint_every = 5")
+        staleness += f"\nlease_s = {LEASE_S}\nvisibility_timeout_s = {LEASE_S}"
+    text = text.replace(f"max_staleness = {raw['staleness']['max_staleness']}", staleness)
     path = tmp / "run.toml"
     path.write_text(text + "\n")
     cfg = load_run_config(path)
-    assert (cfg.learner.steps, cfg.learner.checkpoint_every, cfg.staleness.lease_s) == (steps, 5, LEASE_S)
+    assert (cfg.learner.steps, cfg.staleness.max_staleness) == (steps, ETA)
+    assert not faults or (cfg.learner.checkpoint_every, cfg.staleness.lease_s) == (5, LEASE_S)
     return path
 
 

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,10 @@ from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
 from services.evaluate import evaluate, load_eval_set
+from tests.chaos.harness import ETA, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
-ETA = 1
 
 
 def _alive(pid: int) -> bool:
@@ -41,23 +40,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _write_config(tmp_path: Path, model: Path) -> Path:
-    raw = tomllib.loads((ROOT / "examples/arith/run.toml").read_text())
-    text = (ROOT / "examples/arith/run.toml").read_text()
-    text = text.replace(raw["model"]["path"], str(model))
-    text = text.replace('train = "train.jsonl"', f'train = "{ROOT / "examples/arith/train.jsonl"}"')
-    text = text.replace('eval = "eval.jsonl"', f'eval = "{ROOT / "examples/arith/eval.jsonl"}"')
-    text = text.replace(f"steps = {raw['learner']['steps']}", f"steps = {STEPS}")
-    text = text.replace(f"max_staleness = {raw['staleness']['max_staleness']}", f"max_staleness = {ETA}")
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(text + "\n")
-    assert load_run_config(cfg).learner.steps == STEPS
-    return cfg
-
-
 @pytest.mark.slow
 def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
-    cfg_path = _write_config(tmp_path, arith_model)
+    cfg_path = write_config(tmp_path, arith_model, STEPS, faults=False)
     config = load_run_config(cfg_path)
     stack_dir = tmp_path / "stack"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
