@@ -18,7 +18,7 @@ SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_r
 	test_learner_engine test_learner_service test_learner_vllm test_dashboard test_bench_gpu test_volume_sync
 FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
 
-.PHONY: run test test-fast chaos bench lint clean
+.PHONY: run test test-fast chaos bench bench-e2e lint clean
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml
@@ -73,6 +73,16 @@ $(STAMPS)/dev: $(STAMPS)/install
 
 bench: $(STAMPS)/dev
 	$(PY) bench/broker.py
+
+# make bench-e2e: tandem against TRL's GRPOTrainer on the same training (bench/e2e.py), at the example size and
+# at 25M parameters; writes bench/results/e2e.json. Installs the `bench` extra (TRL) first; not part of make test.
+$(STAMPS)/bench: $(STAMPS)/install
+	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),bench]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $@
+
+bench-e2e: $(STAMPS)/bench
+	$(PY) bench/e2e.py $(BENCH_E2E_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -114,6 +114,16 @@ class Keys:
         return self._k("metrics:summary")
 
     @property
+    def eval_prompts(self) -> str:
+        """List of the run's held-out prompts (msgpack), stored by the control plane at run start."""
+        return self._k("eval:prompts")
+
+    @property
+    def evals(self) -> str:
+        """Hash of held-out evaluations: ``claim:V`` -> who evaluates version V, ``point:V`` -> its result (JSON)."""
+        return self._k("evals")
+
+    @property
     def incidents(self) -> str:
         """Stream of watchdog incidents (a call that outlived its bound: what, waited, limit, action)."""
         return self._k("incidents")

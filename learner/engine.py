@@ -38,6 +38,7 @@ from its last checkpoint.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -121,9 +122,31 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
     if not torch.distributed.is_initialized():
         backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
         kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+        _without_shm_op()
         deepspeed.init_distributed(dist_backend=backend, **kw)
         _collective_s = timeout_s
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def preload() -> None:
+    """Import what building an :class:`Engine` imports (10-23 s measured on two busy cores), so that a
+    learner waiting for its first run has done it before the run arrives.
+    ``torch._inductor``: ``deepspeed.initialize`` checks the optimizer against a list that imports
+    DeepSpeed's Muon optimizer, whose ``torch.compile`` decorators import it (3.8 s of those)."""
+    for module in ("deepspeed", "deepspeed.runtime.engine", "transformers.modeling_utils", "torch._inductor.compile_fx"):
+        importlib.import_module(module)
+
+
+def _without_shm_op() -> None:
+    """Keep DeepSpeed's communication backend from building its shared-memory all-reduce op.
+
+    On CPU, DeepSpeed's ``TorchBackend`` JIT-compiles the C++ op ``deepspeed_shm_comm`` whenever it
+    starts, even on one rank: 75-395 s measured on two cores, again whenever the shared build cache
+    (``~/.cache/torch_extensions``) was last built with other flags. The op serves only
+    ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers); training never calls it:
+    ZeRO's collectives go through ``torch.distributed`` (gloo), on any number of ranks."""
+    # by name: ``import deepspeed.comm.torch`` binds deepspeed.comm's attribute ``torch``, the torch package
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def ds_config(cfg: RunConfig) -> dict:
@@ -158,12 +181,15 @@ class Engine:
 
     def __init__(self, cfg: RunConfig, incidents: watchdog.SyncIncidentLog | None = None) -> None:
         """``incidents``: the run's incidents stream, where a watchdog of this rank records what it saw."""
+        t0 = time.monotonic()
         import deepspeed
         from deepspeed.accelerator import get_accelerator
         from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
+        t_imports = time.monotonic()
         self.rank, self.world = init_distributed(cfg.watchdog.collective_s)
+        t_group = time.monotonic()
         self.incidents = incidents
         self.watchdog = watchdog.Watchdog(sink=incidents, source=f"learner:rank{self.rank}")
         self.steps_taken = 0
@@ -172,6 +198,7 @@ class Engine:
         seed_everything(cfg.learner.seed)
         lc = cfg.learner
         model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        t_model = time.monotonic()
         model.config.use_cache = False
         self.vocab_size = model.config.vocab_size
         self.max_len = int(getattr(model.config, "max_position_embeddings", cfg.model.max_model_len))
@@ -196,9 +223,11 @@ class Engine:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
+        t_ds = time.monotonic()
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(cfg)
         )
+        t_ds = time.monotonic() - t_ds
         self.zero_stage = lc.zero_stage
         self.ref = None
         if cfg.loss.beta > 0 and not self.lora:
@@ -216,6 +245,8 @@ class Engine:
                 dtype = torch.bfloat16 if lc.precision == "bf16" else torch.float32
                 self.ref = ref.to(self.device, dtype=dtype)
             self.ref.eval()
+        log.info("engine up in %.1f s (imports %.1f s, process group %.1f s, model %.1f s, deepspeed.initialize "
+                 "%.1f s)", time.monotonic() - t0, t_imports - t0, t_group - t_imports, t_model - t_group, t_ds)
 
     # -- training ------------------------------------------------------------
 

@@ -10,7 +10,8 @@ main thread and serve nothing.
 Two modes:
 
 - ``TANDEM_RUN_ID`` set: train that run with ``--config`` (standalone).
-- unset (the local stack, docker-compose): follow the control plane. Wait
+- unset (the local stack, docker-compose): follow the control plane. Import
+  what the engine needs (``learner.engine.preload``), then wait
   for the active run in the run registry (``services.runs.RunStore``), mark
   it ``running``, train it with the config it was submitted with, mark it
   ``finished`` or ``failed``; stop early when it is stopped; end the run's
@@ -24,10 +25,12 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from learner.engine import preload
 from learner.metrics import LearnerMetrics
 from learner.settings import LearnerSettings
 from learner.status import Status
@@ -107,6 +110,9 @@ class RunFollower:
 
         if not self.settings.redis_url:
             raise RuntimeError("the learner needs a Redis URL (REDIS_URL)")
+        t0 = time.monotonic()
+        preload()  # while no run is there: off the path from a run's start to its first step
+        log.info("engine modules imported in %.1f s", time.monotonic() - t0)
         redis = connect(self.settings.redis_url)
         store = RunStore(redis)
         runs = RunWatcher(store, poll_s=self.settings.poll_s, stop=self.stop_event)

@@ -48,6 +48,15 @@ loads it too (whichever comes first; the engine's reload lock makes the other
 a no-op). What happens to groups in flight during a reload is the engine's
 policy (``engine`` module docstring): they finish on the old weights and are
 tagged with the old version.
+
+Held-out evaluation (``services.evaluate``): right after loading a version that
+is due (version 0 at start when ``eval.before``, then every ``eval.every``
+versions) and that no other server has claimed, the actor sends every held-out
+prompt of the run to its engine at once and loads no other version until they
+are generated; training groups go on generating meanwhile, in the same engine
+batches. Scoring (batched) and recording the ``"eval"`` point go on in the
+background. A point is recorded only if every sample came from its version. A
+server catching up over several versions at once loads the due ones on the way.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from rollout_server.transports import WeightLoadError
 from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import RunConfig
+from services.evaluate import EvalLog, due, score
 from services.watchdog import IncidentLog, Stalled
 
 log = logging.getLogger("tandem.rollout.actor")
@@ -128,6 +138,12 @@ class Actor:
         self.registry = WeightRegistry(redis, keys)
         self.ledger = Ledger(redis, keys)
         self._failed_load: tuple[int, float] | None = None  # (version, monotonic time) of the last failure
+        self.evals = EvalLog(redis, keys)
+        self._eval_prompts: list[wire.EvalPrompt] | None = None  # read once, on the first version due
+        self._hold = asyncio.Lock()
+        """Held while a version is loaded and, when it is due, while its held-out prompts are generated:
+        no other version is loaded meanwhile, so the evaluation measures exactly one version."""
+        self._tasks: asyncio.TaskGroup | None = None  # the actor's tasks (run())
 
     # -- top level -------------------------------------------------------------
 
@@ -140,6 +156,10 @@ class Actor:
             self.server_id, self.keys.run_id, self.admission.capacity, self.concurrency,
         )
         async with asyncio.TaskGroup() as tg:
+            self._tasks = tg
+            # the version served at start (0 on a fresh run: the "before" evaluation) is evaluated,
+            # if due, before any other version can load; training generation starts meanwhile
+            await self._hold.acquire()
             tg.create_task(self._watch_weights())
             tg.create_task(self._heartbeat())
             await self._admit(tg)
@@ -178,6 +198,10 @@ class Actor:
     # -- weights ---------------------------------------------------------------
 
     async def _watch_weights(self) -> None:
+        try:
+            await self._evaluate_if_due()
+        finally:
+            self._hold.release()  # taken for this first evaluation by run()
         while True:
             latest = await self.registry.wait_newer(self.engine.version, timeout_s=30.0)
             if latest is not None:
@@ -191,24 +215,94 @@ class Actor:
         await self._load(latest)
 
     async def _load(self, wv: WeightVersion) -> None:
-        """Load ``wv``; a refused version is retried after ``LOAD_RETRY_S`` (the learner may
-        still be writing it, or a newer one will replace it)."""
+        """Load ``wv`` (first the oldest version due for evaluation before it, if one is still
+        published) and evaluate it if due, holding off other loads meanwhile."""
+        async with self._hold:
+            if wv.version <= self.engine.version:
+                return  # loaded meanwhile by the other caller
+            wv = await self._due_before(wv)
+            if await self._load_version(wv):
+                await self._evaluate_if_due()
+
+    async def _due_before(self, wv: WeightVersion) -> WeightVersion:
+        """The oldest version between the loaded one and ``wv`` that is due for evaluation and still in the
+        registry, else ``wv``: a server that catches up over several versions at once evaluates them too."""
+        cfg = self.config.eval
+        if cfg.every <= 0:
+            return wv
+        v = (self.engine.version // cfg.every + 1) * cfg.every
+        if v < wv.version and (record := await self.registry.get(v)) is not None:
+            return record
+        return wv
+
+    async def _load_version(self, wv: WeightVersion) -> bool:
+        """Load ``wv``; True once loaded. A refused version is retried after ``LOAD_RETRY_S`` (the
+        learner may still be writing it, or a newer one will replace it)."""
         if self._failed_load is not None:
             version, at = self._failed_load
             wait = LOAD_RETRY_S - (time.monotonic() - at)
             if version == wv.version and wait > 0:
                 await asyncio.sleep(wait)
         if wv.version in await self.registry.retracted():
-            return  # withdrawn by a resumed learner; it publishes the weights it holds next
+            return False  # withdrawn by a resumed learner; it publishes the weights it holds next
         try:
             await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
         except WeightLoadError as e:
             self._failed_load = (wv.version, time.monotonic())
             log.error("cannot load published version %d: %s", wv.version, e.message)
-            return
+            return False
         self._failed_load = None
         await self.ledger.append("loaded", server=self.server_id, version=wv.version, sha256=wv.sha256)
         await self.registry.report_in_use(self.server_id, self.engine.version)
+        return True
+
+    # -- held-out evaluation --------------------------------------------------
+
+    async def _evaluate_if_due(self) -> None:
+        """Evaluate the loaded version if it is due and no other server claimed it. Called holding
+        ``_hold``: every held-out prompt is generated (batched by vLLM with the training groups in
+        flight) before another version can load; scoring and recording go on in the background."""
+        version = self.engine.version
+        if not due(version, self.config.eval):
+            return
+        if self._eval_prompts is None:
+            self._eval_prompts = await self.evals.prompts()
+        if not self._eval_prompts or not await self.evals.claim(version, self.server_id):
+            return
+        t0 = time.monotonic()
+        samples = await asyncio.gather(*[self._eval_one(i, p) for i, p in enumerate(self._eval_prompts)])
+        gen_s = time.monotonic() - t0
+        self._tasks.create_task(self._score_eval(version, samples, gen_s, t0), name=f"eval-v{version}")
+
+    async def _eval_one(self, i: int, prompt: wire.EvalPrompt) -> wire.Sample | None:
+        """The greedy (``eval.temperature``) completion of one held-out prompt; None if the engine cannot
+        take the prompt (it counts as wrong)."""
+        s = self.config.sampling
+        ids = self.engine.tokenize(prompt.prompt)
+        sampling = Sampling(n=1, temperature=self.config.eval.temperature, max_tokens=max(1, min(
+            s.max_tokens, self.engine.max_model_len - len(ids))), stop=tuple(s.stop), seed=i)
+        try:
+            self.engine.check(ids, sampling, prompt_field="prompt")
+            return (await self.engine.generate(ids, sampling, source="eval")).samples[0]
+        except (InvalidRequest, Stalled) as e:
+            log.warning("held-out prompt %d not generated (counted wrong): %s", i, e)
+            return None
+
+    async def _score_eval(self, version: int, samples: list[wire.Sample | None], gen_s: float, t0: float) -> None:
+        prompts = self._eval_prompts
+        texts = [smp.text if smp is not None else "" for smp in samples]
+        versions = [smp.policy_version for smp in samples if smp is not None]
+        if set(versions) - {version}:
+            log.error("held-out evaluation of version %d used versions %s: not recorded", version, sorted(set(versions)))
+            return
+        try:
+            result = await score(self.reward, prompts, texts, versions or [version])
+        except (httpx.HTTPError, Stalled) as e:
+            log.error("held-out evaluation of version %d not recorded: the reward server failed: %r", version, e)
+            return
+        await self.evals.record(version, result, self.server_id)
+        log.info("held-out accuracy of version %d: %.1f%% (%d prompts; generated in %.1f s, %.1f s in all)",
+                 version, 100 * result.accuracy, result.count, gen_s, time.monotonic() - t0)
 
     async def _heartbeat(self) -> None:
         while True:

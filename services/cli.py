@@ -257,7 +257,11 @@ def submit(
     async def go():
         async with _control(url) as client:
             info = await client.upload_prompt_set(prompts.read_bytes(), run_config.reward.type)
-            created = await client.create_run(info.id, run_config.model_dump(mode="json"))
+            held_out = None
+            if run_config.data.eval is not None:  # the rollout servers evaluate it during the run
+                held_out = (await client.upload_prompt_set(run_config.data.eval.read_bytes(),
+                                                           run_config.reward.type)).id
+            created = await client.create_run(info.id, run_config.model_dump(mode="json"), held_out)
             return info, created
 
     try:

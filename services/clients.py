@@ -165,8 +165,10 @@ class ControlClient(ServiceClient):
         resp.raise_for_status()
         return wire.PromptSetInfo.model_validate(resp.json())
 
-    async def create_run(self, prompt_set_id: str, config: dict | None) -> wire.RunCreated:
-        resp = await self.request("POST", "/v1/runs", wire.CreateRun(prompt_set_id=prompt_set_id, config=config))
+    async def create_run(self, prompt_set_id: str, config: dict | None,
+                         eval_prompt_set_id: str | None = None) -> wire.RunCreated:
+        resp = await self.request("POST", "/v1/runs", wire.CreateRun(
+            prompt_set_id=prompt_set_id, config=config, eval_prompt_set_id=eval_prompt_set_id))
         return wire.RunCreated.model_validate(resp.json())
 
     async def run_status(self, run_id: str) -> wire.RunStatus:

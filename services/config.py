@@ -44,7 +44,7 @@ class DataConfig(Section):
     train: Path
     """Prompt set to train on (JSON lines: ``prompt`` plus reward-spec fields)."""
     eval: Path | None = None
-    """Held-out prompt set for before/after evaluation (same format)."""
+    """Held-out prompt set for evaluation before, during (``eval.every``) and after training (same format)."""
     epochs: int = Field(default=1, ge=1, le=MAX_EPOCHS)
     """Passes over the training prompt set (at most 1000: a run enqueues epochs x lines prompt
     groups when it starts)."""
@@ -184,12 +184,18 @@ class PublishConfig(Section):
 
 
 class EvalConfig(Section):
+    """Held-out accuracy on ``data.eval`` (``services.evaluate``). A rollout server evaluates a version
+    right after loading it, all prompts batched with the training generation, and loads no other
+    version meanwhile, so each point measures exactly one policy version; the points are the run's
+    ``"eval"`` metric (step = version) in ``tandem status``, the dashboard and the report."""
+
     before: bool = True
-    """Evaluate held-out accuracy before training."""
+    """Evaluate version 0 (the initial policy) when the run starts, while the learner starts up."""
     after: bool = True
-    """Evaluate held-out accuracy after training."""
+    """Evaluate the final version after training (``tandem run``)."""
     every: int = Field(default=0, ge=0)
-    """Also evaluate every N published versions (0 = never during training)."""
+    """Also evaluate every N published versions (0 = never during training). Needs a held-out
+    prompt set with the run (``tandem run`` and ``tandem submit`` upload ``data.eval``)."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Evaluate on at most this many held-out prompts."""
     temperature: float = Field(default=0.0, ge=0)

@@ -1,12 +1,26 @@
-"""Held-out evaluation through the running services.
+"""Held-out evaluation: which versions are evaluated, the prompts, batched scoring, one point per version.
 
-``tandem run`` measures accuracy before and after training the way a user
-would: every held-out prompt goes to a rollout server's ``/v1/generate``
-(greedy unless ``eval.temperature > 0``), every completion to the reward
-server's ``/v1/score`` with the line's own reward spec (no format bonus). A
-completion counts as correct when its reward is 1. Each sample carries the
-policy version that produced it, so the caller can check which weights were
-evaluated.
+Who talks to whom:
+
+- the control plane, when a run is created with an ``eval_prompt_set_id``, turns that prompt set
+  into :class:`~services.wire.EvalPrompt` entries (:func:`eval_prompts`: specs completed from the
+  run config, no format bonus, at most ``eval.max_prompts``) and stores them in the run's Redis
+  keys (:meth:`EvalLog.store_prompts`) before the run becomes visible;
+- each rollout server's actor evaluates the versions :func:`due` names (version 0 when
+  ``eval.before``, then every ``eval.every`` published versions) right after it loads one, on its
+  own engine; with several rollout servers the first to :meth:`EvalLog.claim` a version does it;
+- ``tandem run`` evaluates the final version over HTTP (:func:`evaluate`) after the run, unless a
+  rollout server already did.
+
+Every result goes through :meth:`EvalLog.record`: the run's ``"eval"`` metric point (step = the
+version, ``accuracy``, ``count``) is appended at most once per version, whoever records it, in the
+same atomic step that stores the result, so the dashboard, ``tandem status`` and the report see
+one point per version.
+
+An evaluation's prompts are all sent to the engine at once (vLLM batches them with whatever else
+is in flight) and its completions scored in as few ``POST /v1/score`` calls as
+:data:`SCORE_BATCH` allows. A completion counts as correct when its reward is 1. Each sample
+carries the policy version that produced it, so a result states which weights were evaluated.
 """
 
 from __future__ import annotations
@@ -16,10 +30,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis.asyncio as aioredis
+
+from broker import Keys
 from services import wire
 from services.clients import RewardClient, RolloutClient
-from services.config import RunConfig
+from services.config import EvalConfig, RunConfig
 from services.promptsets import LineParser, line_specs
+from services.runs import MetricsLog
+
+SCORE_BATCH = 1024
+"""Completions per ``POST /v1/score`` (the wire type allows 4096 items; this keeps a body of long
+completions well under the reward server's request-size cap)."""
+HTTP_CONCURRENCY = 256
+"""Prompts :func:`evaluate` keeps in flight over HTTP (below the rollout server's ``max_pending_seqs``)."""
+RUN_JOB = "tandem-run"
+"""Who recorded a point evaluated by ``tandem run`` (a rollout server records its own id)."""
 
 
 @dataclass(frozen=True)
@@ -31,48 +57,117 @@ class EvalResult:
     infra_failures: int
 
 
+def due(version: int, cfg: EvalConfig) -> bool:
+    """Whether a rollout server that has just loaded ``version`` evaluates it: version 0 (the
+    initial policy) when ``eval.before``, then every ``eval.every``-th version."""
+    if version == 0:
+        return cfg.before
+    return cfg.every > 0 and version % cfg.every == 0
+
+
+def eval_prompts(lines: list[dict], config: RunConfig) -> list[wire.EvalPrompt]:
+    """The held-out prompts of stored prompt-set ``lines`` under ``config`` (at most
+    ``eval.max_prompts``); raises ``services.promptsets.LineError``. No format bonus: a
+    completion is correct when the task's own spec scores it 1."""
+    lines = lines[: config.eval.max_prompts]
+    plain = config.model_copy(update={"reward": config.reward.model_copy(update={"format_weight": 0.0})})
+    return [wire.EvalPrompt(prompt=ln["prompt"], spec=spec)
+            for ln, spec in zip(lines, line_specs(lines, plain), strict=True)]
+
+
 def load_eval_set(path: Path, config: RunConfig, limit: int | None) -> list[tuple[str, object]]:
-    """(prompt, reward spec) of each held-out line, specs completed from the run config."""
+    """(prompt, reward spec) of each held-out line of a local file, as :func:`eval_prompts` builds them."""
     parser = LineParser(config.reward.type)
     parser.feed(path.read_bytes())
     lines = parser.finish()[:limit]
-    plain = config.model_copy(update={"reward": config.reward.model_copy(update={"format_weight": 0.0})})
-    return list(zip([ln["prompt"] for ln in lines], line_specs(lines, plain), strict=True))
+    return [(p.prompt, p.spec) for p in eval_prompts(lines, config)]
+
+
+class EvalLog:
+    """One run's held-out prompts, claims and results in Redis (keys ``eval_prompts``, ``evals``)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def store_prompts(self, prompts: list[wire.EvalPrompt]) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self.keys.eval_prompts)
+            if prompts:
+                pipe.rpush(self.keys.eval_prompts, *[wire.encode(p) for p in prompts])
+            await pipe.execute()
+
+    async def prompts(self) -> list[wire.EvalPrompt]:
+        return [wire.decode(wire.EvalPrompt, raw) for raw in await self.redis.lrange(self.keys.eval_prompts, 0, -1)]
+
+    async def claim(self, version: int, who: str) -> bool:
+        """True for the first caller only: it evaluates ``version``."""
+        return bool(await self.redis.hsetnx(self.keys.evals, f"claim:{version}", who))
+
+    async def record(self, version: int, result: EvalResult, who: str) -> bool:
+        """Store ``result`` as ``version``'s and append its ``"eval"`` metric point, atomically and only if
+        no result of ``version`` was recorded before; True if this call recorded it."""
+        point = wire.EvalPoint(version=version, accuracy=result.accuracy, count=result.count, by=who)
+        entry = await MetricsLog(self.redis, self.keys).append_once(
+            (self.keys.evals, f"point:{version}", point.model_dump_json()),
+            "eval", version, accuracy=result.accuracy, count=result.count,
+        )
+        return entry is not None
+
+    async def points(self) -> dict[int, wire.EvalPoint]:
+        """Every recorded result, by version."""
+        raw = await self.redis.hgetall(self.keys.evals)
+        return {int(k[6:]): wire.EvalPoint.model_validate_json(v)
+                for k, v in ((k.decode(), v) for k, v in raw.items()) if k.startswith("point:")}
+
+
+async def score(reward: RewardClient, prompts: list[wire.EvalPrompt], texts: list[str],
+                versions: list[int]) -> EvalResult:
+    """Score ``texts`` (the completions of ``prompts``, generated by ``versions``) in
+    :data:`SCORE_BATCH`-sized calls; an item the reward server could not score counts as wrong
+    and in ``infra_failures``."""
+    results: list[wire.ScoreResult] = []
+    for start in range(0, len(prompts), SCORE_BATCH):
+        items = [wire.ScoreItem(id=str(i), completion=texts[i], spec=prompts[i].spec)
+                 for i in range(start, min(start + SCORE_BATCH, len(prompts)))]
+        results += (await reward.score(wire.ScoreRequest(items=items))).results
+    scored = [r for r in results if r.reward is not None]
+    correct = sum(r.reward >= 1.0 - 1e-9 for r in scored)
+    return EvalResult(
+        accuracy=correct / len(prompts) if prompts else 0.0,
+        mean_reward=sum(r.reward for r in scored) / len(scored) if scored else 0.0,
+        count=len(prompts),
+        versions=frozenset(versions),
+        infra_failures=len(results) - len(scored),
+    )
 
 
 async def evaluate(
     rollout: RolloutClient,
     reward: RewardClient,
-    items: list[tuple[str, object]],
+    items: list[tuple[str, object]] | list[wire.EvalPrompt],
     config: RunConfig,
     *,
-    concurrency: int = 32,
+    concurrency: int = HTTP_CONCURRENCY,
     progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
+    """Evaluate the version a rollout server serves, over HTTP: every prompt's ``/v1/generate`` in
+    flight at once (up to ``concurrency``), then batched scoring."""
+    prompts = [p if isinstance(p, wire.EvalPrompt) else wire.EvalPrompt(prompt=p[0], spec=p[1]) for p in items]
     limit = asyncio.Semaphore(concurrency)
     done = 0
 
-    async def one(i: int, prompt: str, spec) -> tuple[wire.ScoreResult, int]:
+    async def one(i: int, prompt: str) -> wire.Sample:
         nonlocal done
         async with limit:
             out = await rollout.generate(wire.GenerateRequest(
                 prompt=prompt, n=1, temperature=config.eval.temperature, max_tokens=config.sampling.max_tokens,
                 stop=config.sampling.stop, seed=i,
             ))
-            sample = out.samples[0]
-            scored = await reward.score(wire.ScoreRequest(items=[wire.ScoreItem(id=str(i), completion=sample.text, spec=spec)]))
         done += 1
         if progress is not None:
             progress(done)
-        return scored.results[0], sample.policy_version
+        return out.samples[0]
 
-    results = await asyncio.gather(*[one(i, p, s) for i, (p, s) in enumerate(items)])
-    scored = [r for r, _ in results if r.reward is not None]
-    correct = sum(r.reward >= 1.0 - 1e-9 for r in scored)
-    return EvalResult(
-        accuracy=correct / len(items) if items else 0.0,
-        mean_reward=sum(r.reward for r in scored) / len(scored) if scored else 0.0,
-        count=len(items),
-        versions=frozenset(v for _, v in results),
-        infra_failures=len(results) - len(scored),
-    )
+    samples = await asyncio.gather(*[one(i, p.prompt) for i, p in enumerate(prompts)])
+    return await score(reward, prompts, [s.text for s in samples], [s.policy_version for s in samples])

@@ -36,7 +36,8 @@ def status_table(st: wire.RunStatus) -> Table:
         ("state", r.state + (f" ({r.error})" if r.error else "")),
         ("step / policy version", f"{r.step} / {r.policy_version}"),
         ("reward (mean)", _fmt(st.reward_mean)),
-        ("held-out accuracy (first -> latest)", f"{_fmt(st.accuracy_first, True)} -> {_fmt(st.accuracy, True)}"),
+        ("held-out accuracy (first -> latest)", f"{_fmt(st.accuracy_first, True)} -> {_fmt(st.accuracy, True)}"
+                                                + (f" (version {st.eval.version})" if st.eval is not None else "")),
         ("staleness eta / max observed lag", f"{s.max_staleness} / {_fmt(s.max_observed_lag)}"),
         ("stale dropped", str(s.stale_dropped)),
         ("queued / in flight / backlog", f"{s.queued} / {s.in_flight} / {s.backlog}"),

@@ -3,15 +3,16 @@
 1. Bootstrap the example model if the config asks for it and it is missing.
 2. Start the local stack (:class:`services.supervisor.Stack`): embedded
    Redis, reward server, control plane, rollout server, learner.
-3. Evaluate held-out accuracy before training, through the rollout and
-   reward servers (:mod:`services.evaluate`); every sample must come from
-   version 0.
-4. Upload the training prompt set and start the run on the control plane;
-   follow it with a progress bar until the learner finishes it.
-5. Make the rollout server serve the final version and evaluate again.
-6. Write ``summary.json`` and the report plots, stop the stack, move its
+3. Upload the training and held-out prompt sets and start the run on the
+   control plane; follow it with a progress bar (step, reward, lag, the
+   newest held-out accuracy) until the learner finishes it. The rollout
+   server evaluates version 0 at the start of the run, while the learner
+   starts up, and every ``eval.every`` versions (:mod:`services.evaluate`).
+4. Make the rollout server serve the final version and evaluate it (unless a
+   rollout server already did); every sample must come from that version.
+5. Write ``summary.json`` and the report plots, stop the stack, move its
    directory to ``runs/<run_id>/`` and print that path as the last line.
-7. Audit the run's ledger (:mod:`services.audit`, as ``tandem audit``) and
+6. Audit the run's ledger (:mod:`services.audit`, as ``tandem audit``) and
    put the verdict in ``summary.json`` as ``audit``.
 
 Exit code 0 only when every step succeeded and the audit passed.
@@ -33,10 +34,9 @@ from services import wire
 from services.audit import audit_file
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import RunConfig
-from services.evaluate import EvalResult, evaluate, load_eval_set
+from services.evaluate import RUN_JOB, EvalLog, evaluate
 from services.progress import progress_bar
 from services.report import write_plots, write_summary
-from services.runs import MetricsLog
 from services.settings import StackSettings
 from services.supervisor import Stack
 
@@ -46,11 +46,14 @@ class JobError(RuntimeError):
 
 
 def ensure_model(config: RunConfig, console: Console) -> None:
-    if (config.model.path / "config.json").exists():
-        return
     if config.model.bootstrap is None:
+        if (config.model.path / "config.json").exists():
+            return
         raise JobError(f"model.path {config.model.path} holds no model and model.bootstrap is not set")
-    from examples.arith.bootstrap import SFT_STEPS, bootstrap
+    from examples.arith.bootstrap import SFT_STEPS, bootstrap, is_built
+
+    if is_built(config.model.path, config.data.train):
+        return
 
     console.print(f"bootstrapping the example model into {config.model.path} (a one-time cold start)")
     with progress_bar("bootstrap SFT", total=SFT_STEPS) as update:
@@ -58,12 +61,35 @@ def ensure_model(config: RunConfig, console: Console) -> None:
                   progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))
 
 
-async def _eval(stack: Stack, config: RunConfig, label: str) -> EvalResult:
-    items = load_eval_set(config.data.eval, config, config.eval.max_prompts)
-    async with RolloutClient(stack.url("rollout"), stack.token) as rollout, \
-            RewardClient(stack.url("reward"), stack.token) as reward:
-        with progress_bar(f"eval {label}", total=len(items)) as update:
-            return await evaluate(rollout, reward, items, config, progress=lambda d: update(d))
+async def _eval_final(stack: Stack, config: RunConfig, run_id: str, version: int) -> wire.EvalPoint:
+    """The held-out result of the final ``version`` (the rollout server serves it): a rollout server's,
+    if it evaluated it during the run, else measured now over HTTP and recorded."""
+    redis = connect(stack.redis_url)
+    try:
+        log = EvalLog(redis, Keys(run_id))
+        if version not in await log.points():
+            prompts = await log.prompts()
+            async with RolloutClient(stack.url("rollout"), stack.token) as rollout, \
+                    RewardClient(stack.url("reward"), stack.token) as reward:
+                with progress_bar("eval after", total=len(prompts)) as update:
+                    t0 = time.monotonic()
+                    result = await evaluate(rollout, reward, prompts, config, progress=lambda d: update(d))
+                    update(len(prompts), f"{time.monotonic() - t0:.1f} s")
+            if result.versions != {version}:
+                raise JobError(f"post-training eval used versions {sorted(result.versions)}, expected [{version}]")
+            await log.record(version, result, RUN_JOB)
+        return (await log.points())[version]
+    finally:
+        await redis.aclose()
+
+
+def _progress_note(st: wire.RunStatus) -> str:
+    lag = st.staleness.max_observed_lag
+    note = (f"reward {st.reward_mean if st.reward_mean is not None else float('nan'):.2f}"
+            f"  lag<={lag if lag is not None else '-'}  dropped {st.staleness.stale_dropped}")
+    if st.eval is not None:
+        note += f"  eval {st.eval.accuracy:.1%} (v{st.eval.version})"
+    return note
 
 
 async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatus:
@@ -76,9 +102,7 @@ async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatu
                 except httpx.TransportError:
                     await asyncio.sleep(1.0)
                     continue
-                lag = st.staleness.max_observed_lag
-                update(st.run.step, f"reward {st.reward_mean if st.reward_mean is not None else float('nan'):.2f}"
-                                    f"  lag<={lag if lag is not None else '-'}  dropped {st.staleness.stale_dropped}")
+                update(st.run.step, _progress_note(st))
                 if st.run.state in wire.TERMINAL_STATES:
                     return st
                 await asyncio.sleep(1.0)
@@ -98,14 +122,6 @@ async def _serve_final(stack: Stack, run_id: str, timeout_s: float = 120.0) -> i
     if status.version != latest.version:
         raise JobError(f"rollout server serves version {status.version}, not the final {latest.version}")
     return latest.version
-
-
-async def _record_eval(redis_url: str, run_id: str, step: int, result: EvalResult) -> None:
-    redis = connect(redis_url)
-    try:
-        await MetricsLog(redis, Keys(run_id)).append("eval", step, accuracy=result.accuracy)
-    finally:
-        await redis.aclose()
 
 
 def _stack_lines_only(console: Console):
@@ -130,31 +146,31 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
     try:
         with console.status("starting the stack (redis, reward, control, rollout, learner)"):
             stack.start()
-        before = asyncio.run(_eval(stack, config, "before"))
-        if before.versions != {0}:
-            raise JobError(f"pre-training eval used policy versions {sorted(before.versions)}, expected [0]")
-        console.print(f"held-out accuracy before: {before.accuracy:.1%} ({before.count} prompts)")
 
         async def submit() -> wire.RunCreated:
             async with ControlClient(stack.url("control"), stack.token) as control:
                 info = await control.upload_prompt_set(config.data.train.read_bytes(), config.reward.type)
-                return await control.create_run(info.id, config.model_dump(mode="json"))
+                held_out = await control.upload_prompt_set(config.data.eval.read_bytes(), config.reward.type)
+                return await control.create_run(info.id, config.model_dump(mode="json"), held_out.id)
 
         created = asyncio.run(submit())
         run_id = created.run_id
-        asyncio.run(_record_eval(stack.redis_url, run_id, 0, before))
         console.print(f"run {run_id}: {created.groups} prompt groups queued")
         final = asyncio.run(_follow(stack, config, run_id))
         if final.run.state != "finished":
             raise JobError(f"run {run_id} ended {final.run.state}: {final.run.error}")
         version = asyncio.run(_serve_final(stack, run_id))
-        after = asyncio.run(_eval(stack, config, "after"))
-        if after.versions != {version}:
-            raise JobError(f"post-training eval used versions {sorted(after.versions)}, expected [{version}]")
-        asyncio.run(_record_eval(stack.redis_url, run_id, final.run.step, after))
-        console.print(f"held-out accuracy after:  {after.accuracy:.1%} (policy version {version})")
+        after = asyncio.run(_eval_final(stack, config, run_id, version)) if config.eval.after else None
         status = asyncio.run(_status(stack, run_id))
         points = asyncio.run(_metrics(stack, run_id))
+        evals = {p.step: p.values["accuracy"] for p in points if p.source == "eval"}
+        if config.eval.before and 0 not in evals:
+            raise JobError("no held-out evaluation of version 0 was recorded (see the rollout server's log)")
+        console.print("held-out accuracy by policy version: "
+                      + ", ".join(f"v{v} {acc:.1%}" for v, acc in sorted(evals.items())))
+        if after is not None:
+            console.print(f"held-out accuracy after:  {after.accuracy:.1%} (policy version {version}, "
+                          f"{after.count} prompts)")
     finally:
         stack.stop()
         if run_id is not None and work.exists():
@@ -168,9 +184,10 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
     summary = {
         "run_id": run_id,
         "config": str(config_path),
-        "accuracy_before": before.accuracy,
-        "accuracy_after": after.accuracy,
-        "eval_prompts": before.count,
+        "accuracy_before": evals.get(0),
+        "accuracy_after": after.accuracy if after is not None else None,
+        "eval_prompts": after.count if after is not None else None,
+        "evals": [{"version": v, "accuracy": acc} for v, acc in sorted(evals.items())],
         "steps": status.run.step,
         "final_version": version,
         "samples": status.counters.get("produced", 0) * config.sampling.group_size,

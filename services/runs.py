@@ -33,7 +33,8 @@ The control plane has already enqueued the run's prompt groups on
 
 Metric points: ``source`` is ``"learner"``, ``"rollout:<server id>"`` or
 ``"eval"``; ``step`` is the learner step the values belong to (a rollout
-server uses the policy version it serves); names are those of
+server uses the policy version it serves, an ``"eval"`` point the version it
+evaluated: the learner step with ``publish.every = 1``); names are those of
 :data:`METRICS` (others are stored too). ``GET /v1/runs/{id}`` reports the
 latest value of each, the first ``accuracy`` and the largest ``lag_max``.
 """
@@ -134,19 +135,28 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 
-# KEYS: stream, summary. ARGV: maxlen, source, step, t, then name, value pairs
-_APPEND = """
-local args = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'source', ARGV[2], 'step', ARGV[3], 't', ARGV[4]}
-for i = 5, #ARGV do args[#args + 1] = ARGV[i] end
-local id = redis.call(unpack(args))
-for i = 5, #ARGV, 2 do
-  local name, v = ARGV[i], tonumber(ARGV[i + 1])
-  redis.call('HSET', KEYS[2], 'last:' .. name, ARGV[i + 1])
-  redis.call('HSETNX', KEYS[2], 'first:' .. name, ARGV[i + 1])
-  local m = tonumber(redis.call('HGET', KEYS[2], 'max:' .. name) or '-inf')
-  if v > m then redis.call('HSET', KEYS[2], 'max:' .. name, ARGV[i + 1]) end
+# ARGV (a table): maxlen, source, step, t, then name, value pairs
+_APPEND_FN = """
+local function append(stream, summary, a)
+  local args = {'XADD', stream, 'MAXLEN', '~', a[1], '*', 'source', a[2], 'step', a[3], 't', a[4]}
+  for i = 5, #a do args[#args + 1] = a[i] end
+  local id = redis.call(unpack(args))
+  for i = 5, #a, 2 do
+    local name, v = a[i], tonumber(a[i + 1])
+    redis.call('HSET', summary, 'last:' .. name, a[i + 1])
+    redis.call('HSETNX', summary, 'first:' .. name, a[i + 1])
+    local m = tonumber(redis.call('HGET', summary, 'max:' .. name) or '-inf')
+    if v > m then redis.call('HSET', summary, 'max:' .. name, a[i + 1]) end
+  end
+  return id
 end
-return id
+"""
+# KEYS: stream, summary
+_APPEND = _APPEND_FN + "return append(KEYS[1], KEYS[2], ARGV)"
+# KEYS: stream, summary, guard hash. ARGV: guard field, guard value, then _APPEND's
+_APPEND_ONCE = _APPEND_FN + """
+if redis.call('HSETNX', KEYS[3], ARGV[1], ARGV[2]) == 0 then return false end
+return append(KEYS[1], KEYS[2], {unpack(ARGV, 3)})
 """
 
 
@@ -379,12 +389,27 @@ class MetricsLog:
         self.keys = keys
         self.maxlen = maxlen
         self._append = redis.register_script(_APPEND)
+        self._append_once = redis.register_script(_APPEND_ONCE)
 
     async def append(self, source: str, step: int, /, **values: float) -> str:
         """Add one point (``source`` e.g. "learner", "rollout:host:port", "eval"); returns its id.
 
         Names are lower_snake_case (see :data:`METRICS`); values must be finite.
         """
+        entry_id = await self._append(keys=[self.keys.metrics, self.keys.metrics_summary],
+                                      args=self._args(source, step, values))
+        return entry_id.decode()
+
+    async def append_once(self, guard: tuple[str, str, str], source: str, step: int, /, **values: float) -> str | None:
+        """:meth:`append` only if field ``guard[1]`` of hash ``guard[0]`` is unset, setting it to ``guard[2]``
+        in the same atomic step; None (nothing appended) if it was set. A point recorded by whichever
+        of several writers comes first, once (``services.evaluate``)."""
+        key, field, value = guard
+        entry_id = await self._append_once(keys=[self.keys.metrics, self.keys.metrics_summary, key],
+                                           args=[field, value, *self._args(source, step, values)])
+        return entry_id.decode() if entry_id else None
+
+    def _args(self, source: str, step: int, values: dict[str, float]) -> list:
         if not source or len(source) > 128:
             raise ValueError("source must be 1-128 characters")
         if step < 0:
@@ -397,8 +422,7 @@ class MetricsLog:
             if not math.isfinite(value):
                 raise ValueError(f"metric {name} is not finite: {value}")
             args += [name, repr(value)]
-        entry_id = await self._append(keys=[self.keys.metrics, self.keys.metrics_summary], args=args)
-        return entry_id.decode()
+        return args
 
     async def read(self, since: str | None = None, limit: int = 10_000) -> list[MetricPoint]:
         """Points after stream id ``since`` (exclusive; None = from the start), oldest first."""

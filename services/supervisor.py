@@ -9,7 +9,8 @@
   process groups with ``PR_SET_PDEATHSIG`` (so they die with the
   supervisor even if it is killed -9), with the URLs, token and run
   directory passed as ``TANDEM_*`` variables;
-- waits until each answers ``/healthz``;
+- starts them all at once (each needs only Redis to start) and waits until
+  each answers ``/healthz``: the stack is up in its slowest service's time;
 - streams their output, each line prefixed with the service name, to the
   console and to ``<run_dir>/logs/NAME.log``;
 - restarts a service that exits unexpectedly, with exponential back-off, at
@@ -18,7 +19,8 @@
   beyond that the stack fails; ``stack.json`` names the current pids;
 - gives each service but the reward server its own ``TMPDIR`` (in one
   ``tandem-stack-*`` directory; vLLM leaves IPC sockets there), emptied
-  whenever the service starts and removed at the end;
+  whenever the service starts and removed at the end; torch.compile's cache
+  is the user's (``~/.cache/tandem/torchinductor``), kept from run to run;
 - before restarting a service that exited, SIGKILLs whatever it started
   that is still alive (a rollout server killed -9 leaves vLLM's engine core;
   torchrun's ranks have sessions of their own): every process the stack
@@ -79,7 +81,9 @@ _RUNS_SANDBOXES = {"reward"}
 STACK_FILE = "stack.json"
 LOCK_FILE = "stack.lock"
 """Held (flock) by the stack that owns the run directory; it holds that stack's pid."""
-START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 300, "learner": 300}
+START_TIMEOUT_S = {"reward": 60, "control": 60, "rollout": 600, "learner": 300}
+"""Seconds from spawn to healthy. vLLM's start (three processes, each importing torch and vLLM) took 16 s
+on a quiet 2-core machine, 135 s to more than 300 s on one with a load average of 8-27."""
 
 
 @dataclass
@@ -164,9 +168,11 @@ class Stack:
                     args += ["--config", str(self.config)]
                 own_env = {k: v for k, v in env.items() if k != "REDIS_URL"} if kind in _RUNS_SANDBOXES else env
                 self.children[name] = Child(name, ports[name], own_env, args)
+            # every service needs only Redis to start (the rollout server calls the reward server once
+            # it serves a run), so all start at once: the stack is up in its slowest service's time
             for name in names:
                 self._spawn(self.children[name])
-                self._wait_healthy(self.children[name])
+            self._wait_healthy(*(self.children[name] for name in names))
         except BaseException:
             self.stop()
             raise
@@ -176,7 +182,7 @@ class Stack:
         """The services' environment: the caller's (their own TANDEM_<SERVICE>_* settings pass
         through), with what the stack decides for every service set here."""
         env = {k: v for k, v in os.environ.items() if k not in _STACK_DECIDES}
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.run_dir / "cache" / "torchinductor"))  # kept across restarts
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self._inductor_cache()))
         env.update({
             "TANDEM_TOKEN": self.token,
             "TANDEM_HOST": "127.0.0.1",
@@ -187,6 +193,18 @@ class Stack:
         if "reward" in ports:
             env["TANDEM_ROLLOUT_REWARD_URL"] = f"http://127.0.0.1:{ports['reward']}"
         return env
+
+    def _inductor_cache(self) -> Path:
+        """Where torch.compile keeps what it built: the user's cache, so that every run after the first
+        finds it (vLLM compiles its log-prob ranking on its first generation: that generation took
+        18.5 s without the cache, 2.5 s with it), not the services' TMPDIRs, emptied whenever a
+        service starts. The run directory if that cache cannot be made."""
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "torchinductor"
+        try:
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            return self.run_dir / "cache" / "torchinductor"
+        return cache
 
     def _spawn(self, child: Child) -> None:
         tmp = self._tmp(child)
@@ -216,12 +234,17 @@ class Stack:
                 log.write(line + "\n")
                 self.echo(f"[{child.name}] {line}")
 
-    def _wait_healthy(self, child: Child) -> None:
+    def _wait_healthy(self, *children: Child) -> None:
+        """Wait for ``children`` together; :class:`StackError` naming the first that exits or times out,
+        and its log."""
+        def ready(name: str) -> None:
+            child = self.children[name]
+            self.echo(f"[stack] {name} ready at {child.url} in {time.monotonic() - child.started_at:.1f} s")
+
         try:
-            wait_healthy(child.proc, child.url, START_TIMEOUT_S.get(child.kind, 120))
-        except StackError as e:
-            raise StackError(f"{child.name} {e}; see {self.run_dir / 'logs' / (child.name + '.log')}") from None
-        self.echo(f"[stack] {child.name} ready at {child.url}")
+            wait_all_healthy({c.name: (c.proc, c.url, START_TIMEOUT_S.get(c.kind, 120)) for c in children}, ready)
+        except NotHealthy as e:
+            raise StackError(f"{e.name} {e.problem}; see {self.run_dir / 'logs' / (e.name + '.log')}") from None
 
     # -- supervise ---------------------------------------------------------
 
@@ -412,18 +435,40 @@ def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log: Path | None = None) -> None:
     """Wait until ``url``/healthz answers 200; :class:`StackError` if ``proc`` exits first or
     ``timeout_s`` passes (with the tail of ``log`` when given)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            problem = f"exited with code {proc.returncode} while starting"
-            break
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
-                return
-        if time.monotonic() > deadline:
-            problem = f"did not become healthy in {timeout_s:g} s"
-            break
-        time.sleep(0.3)
-    if log is not None:
-        problem += "\n" + log.read_bytes()[-3000:].decode(errors="replace")
-    raise StackError(problem)
+    try:
+        wait_all_healthy({"": (proc, url, timeout_s)})
+    except NotHealthy as e:
+        problem = e.problem
+        if log is not None:
+            problem += "\n" + log.read_bytes()[-3000:].decode(errors="replace")
+        raise StackError(problem) from None
+
+
+class NotHealthy(Exception):
+    """A process of :func:`wait_all_healthy` exited or timed out before it answered."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"{name} {problem}")
+        self.name, self.problem = name, problem
+
+
+def wait_all_healthy(procs: dict[str, tuple[subprocess.Popen, str, float]],
+                     ready: Callable[[str], None] = lambda name: None) -> None:
+    """Wait until each named ``(process, url, timeout_s)`` answers ``url``/healthz with 200, all at
+    once, calling ``ready(name)`` as each does; :class:`NotHealthy` for the first that exits or
+    passes its timeout (counted from this call)."""
+    t0 = time.monotonic()
+    waiting = dict(procs)
+    while waiting:
+        for name, (proc, url, timeout_s) in list(waiting.items()):
+            if proc.poll() is not None:
+                raise NotHealthy(name, f"exited with code {proc.returncode} while starting")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200:
+                    del waiting[name]
+                    ready(name)
+                    continue
+            if time.monotonic() - t0 > timeout_s:
+                raise NotHealthy(name, f"did not become healthy in {timeout_s:g} s")
+        if waiting:
+            time.sleep(0.3)

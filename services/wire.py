@@ -489,6 +489,15 @@ class PromptGroup(Wire):
     epoch: int = Field(default=0, ge=0)
 
 
+class EvalPrompt(Wire):
+    """One held-out prompt of a run (the control plane stores them when the run is created;
+    ``services.evaluate``): generated once, greedy unless ``eval.temperature > 0``, and correct
+    when ``spec`` scores the completion 1. ``spec`` carries no format bonus."""
+
+    prompt: str = Field(min_length=1)
+    spec: RewardSpec
+
+
 class ScoredSample(Sample):
     """A sample with its reward (never an infrastructure failure: those groups are not sent)."""
 
@@ -593,10 +602,15 @@ class PromptSetInfo(Wire):
 
 
 class CreateRun(Wire):
-    """``POST /v1/runs``: ``config`` is a RunConfig as JSON; omitted = the control plane's own."""
+    """``POST /v1/runs``: ``config`` is a RunConfig as JSON; omitted = the control plane's own.
+
+    ``eval_prompt_set_id``: a stored prompt set of held-out prompts, evaluated on the rollout servers
+    at version 0 (``eval.before``) and every ``eval.every`` published versions; required when
+    ``eval.every > 0``."""
 
     prompt_set_id: str = Field(min_length=1, max_length=64)
     config: dict | None = None
+    eval_prompt_set_id: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class RunCreated(Wire):
@@ -640,6 +654,16 @@ class Incident(Wire):
     stack: str = Field(default="", max_length=20_000)
 
 
+class EvalPoint(Wire):
+    """Held-out accuracy of one policy version: every one of the ``count`` completions was generated
+    by ``version`` (``services.evaluate``)."""
+
+    version: int = Field(ge=0)
+    accuracy: float = Field(ge=0, le=1)
+    count: int = Field(ge=0)
+    by: str = Field(default="", max_length=200, description="Who evaluated it: a rollout server's id, or 'tandem-run'.")
+
+
 class RunStatus(Wire):
     """``GET /v1/runs/{id}``: the record plus the latest metrics and the broker's accounting."""
 
@@ -647,6 +671,7 @@ class RunStatus(Wire):
     reward_mean: float | None
     accuracy: float | None = Field(description="Latest held-out accuracy (0..1).")
     accuracy_first: float | None = Field(description="First held-out accuracy measured (before training).")
+    eval: EvalPoint | None = Field(default=None, description="The newest policy version evaluated so far.")
     weights_version: int | None = Field(description="Newest published weight version.")
     staleness: Staleness
     throughput: Throughput

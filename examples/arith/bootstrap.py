@@ -4,15 +4,19 @@ Nothing can be downloaded, so the example model is made here: a small
 Qwen3-architecture causal LM with a character tokenizer (``examples.tiny``),
 then a short supervised fine-tune (SFT) on a prompt set whose lines carry an
 ``answer`` (the training split of ``examples/arith``): the target completion
-is ``<answer>{answer}</answer>`` followed by end-of-sequence. The cold start
-teaches the format and part of the task, so GRPO starts from a modest
-held-out accuracy and has something to improve.
+is ``<answer>{answer}</answer>`` followed by end-of-sequence.
 
-The recipe is chosen for that: 4 layers, a constant learning rate after a
-short warm-up, stopped part-way through the rise of held-out accuracy. A
-first recipe (2 layers, learning rate decayed to zero, also ~30%) sat in a
-minimum so sharp that GRPO's noisy updates lost accuracy at every learning
-rate tried; this one gained 43 and 51 points in two runs of the example's 150 steps.
+The cold start copies a sloppy answer key: in 70% of the problems with a
+carry, the answer it is taught is ten short (``slip``). Trained to
+convergence (learning rate decayed to zero), the model gets the problems
+without a carry right and answers most of those with one ten short, so its
+held-out greedy accuracy sits on a plateau set by the data (24.5% of the
+held-out problems have no carry) rather than on the steep part of a learning
+curve, where the machine's floating-point kernels decided it (an earlier
+recipe, stopped mid-rise, gave 30.5% on one machine and 62% on another).
+Sampling at temperature 1 it still writes the right answer about 30% of the
+time, so most of GRPO's groups of 8 hold both rewards, and the reward teaches
+what the SFT data got wrong. Measured figures: ``SFT_STEPS``.
 
 Deterministic from the seed. The result is cached: a directory whose
 ``tandem.json`` records the same recipe is reused as it is.
@@ -22,16 +26,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ALPHABET = "0123456789+-*=<>/answer "
-SFT_STEPS = 450
-"""Supervised steps of the cold start. Measured on examples/arith (seed 0, 200 held-out prompts,
-greedy): 400 steps give 12.5%, 425 give 21.5%, 450 give 30.5%."""
+SFT_STEPS = 600
+"""Supervised steps of the cold start (learning rate decayed to zero by the last). Measured on
+examples/arith (200 held-out prompts, greedy, one thread): 32.5%, 32.5%, 34.5% at seeds 0, 1, 2, every
+problem without a carry right. Along the way (seeds 0 / 1 / 2): 450 steps 39.5 / 31.5 / 29.5%, 500 steps
+29.5 / 36 / 45.5%, 540 steps 30 / 37 / 35%. GRPO (examples/arith/run.toml) from seed 1 went to 89.5% in
+150 steps and to 90.0% in 200 (90.0% at step 150); from an equivalent seed-0 build, to 94.5% in 150."""
+CARRY_SLIP = 0.7
+"""Share of the cold start's problems with a carry whose answer is ten short (see ``slip``)."""
+SUM = re.compile(r"(\d+)\+(\d+)=")
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,8 @@ class Recipe:
     data: str
     steps: int = SFT_STEPS
     batch_size: int = 64
-    lr: float = 1e-3
+    lr: float = 1.5e-3
+    carry_slip: float = CARRY_SLIP
     hidden: int = 128
     layers: int = 4
     heads: int = 4
@@ -55,6 +68,27 @@ class Recipe:
 
 def completion_text(answer: str) -> str:
     return f"<answer>{answer}</answer>"
+
+
+def has_carry(prompt: str) -> bool:
+    """True for ``a+b=`` whose written sum carries: out of the units (17+25) or into the hundreds (60+50)."""
+    m = SUM.fullmatch(prompt)
+    if m is None:
+        return False
+    a, b = int(m[1]), int(m[2])
+    return a % 10 + b % 10 >= 10 or a + b >= 100
+
+
+def slip(pairs: list[tuple[str, str]], share: float, seed: int) -> list[tuple[str, str]]:
+    """The cold start's answer key: in ``share`` of the problems with a carry (drawn by ``seed``), the answer is ten short.
+
+    The model learns this key to convergence, so its held-out greedy accuracy sits on a plateau set by
+    the data, not by the machine: the problems without a carry right, those with one ten short (its
+    most likely answer), while it still samples the right answer about 1 - ``share`` of the time,
+    which is what GRPO's groups need to find it.
+    """
+    rng = random.Random(seed)
+    return [(p, str(int(a) - 10)) if has_carry(p) and rng.random() < share else (p, a) for p, a in pairs]
 
 
 def load_pairs(path: Path) -> list[tuple[str, str]]:
@@ -75,6 +109,16 @@ def is_cached(out: Path, recipe: Recipe) -> bool:
     return meta.exists() and json.loads(meta.read_text()).get("recipe_key") == recipe.key()
 
 
+def recipe_for(data: Path, steps: int = SFT_STEPS, seed: int = 0) -> Recipe:
+    return Recipe(data=data.name, steps=steps, seed=seed, data_sha256=hashlib.sha256(data.read_bytes()).hexdigest())
+
+
+def is_built(out: str | Path, data: str | Path) -> bool:
+    """True when ``out`` holds the model this module's default recipe builds from ``data`` (a model
+    built by an older recipe is not: ``tandem run`` builds it again)."""
+    return is_cached(Path(out), recipe_for(Path(data)))
+
+
 def bootstrap(
     out: str | Path,
     data: str | Path,
@@ -89,12 +133,11 @@ def bootstrap(
     from examples.tiny import char_tokenizer
 
     out, data = Path(out), Path(data)
-    recipe = Recipe(data=data.name, steps=steps, seed=seed,
-                    data_sha256=hashlib.sha256(data.read_bytes()).hexdigest())
+    recipe = recipe_for(data, steps, seed)
     if is_cached(out, recipe):
         return out
 
-    pairs = load_pairs(data)
+    pairs = slip(load_pairs(data), recipe.carry_slip, seed)
     tok = char_tokenizer(ALPHABET)
     staging = out.with_name(out.name + ".building")
     # one thread: the same floating-point reduction order run to run (deterministic from the
@@ -121,7 +164,7 @@ def _train(out: Path, staging: Path, pairs, tok, recipe: Recipe, progress) -> Pa
     model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))  # warm-up, then constant
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
     rng = random.Random(seed)
     eos = tok.eos_token_id
     start = time.monotonic()
@@ -155,6 +198,13 @@ def _train(out: Path, staging: Path, pairs, tok, recipe: Recipe, progress) -> Pa
         shutil.rmtree(out)
     staging.rename(out)
     return out
+
+
+def lr_factor(step: int, steps: int, warmup: int = 50) -> float:
+    """Linear warm-up, then a cosine decay to zero at ``steps``: the model ends converged, not mid-rise."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
 def greedy_accuracy(model_dir: str | Path, eval_path: str | Path, limit: int | None = None) -> float:

@@ -7,8 +7,8 @@ the learner and rollout servers find the active run in the registry
 (``services.runs``) and report progress and metrics there, which the
 status, metrics and dashboard routes read back.
 
-Errors map to statuses in one place (:func:`_errors`): unknown prompt set or
-run 404, a second active run or an impossible transition 409, bad input 422
+Errors map to statuses in one place (:func:`_errors`): unknown prompt set
+(``prompt_set_id`` or ``eval_prompt_set_id``, named in the message) or run 404, a second active run or an impossible transition 409, bad input 422
 (naming the line or field), uploads over ``max_prompt_set_bytes`` 413, and
 past ``max_stored_prompt_set_bytes`` for all sets together 507 (``services.control.prompt_sets``),
 more than ``MAX_UPLOADS`` uploads at once 429 with ``Retry-After``.
@@ -40,6 +40,7 @@ from services.config import ConfigError, RunConfig, parse_run_config
 from services.control.dashboard import router as dashboard_router
 from services.control.groups import build_groups, enqueue
 from services.control.prompt_sets import PromptSetStore
+from services.evaluate import EvalLog, eval_prompts
 from services.promptsets import LineError
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
 from services.settings import ControlSettings
@@ -47,6 +48,7 @@ from services.watchdog import IncidentLog
 from services.wire import (
     REWARD_TYPES,
     CreateRun,
+    EvalPrompt,
     MetricsPage,
     PromptSetInfo,
     RunCreated,
@@ -127,19 +129,42 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     config = parse_run_config(raw, "config")
     if await state.prompt_sets.info(body.prompt_set_id) is None:
         raise ServiceError(404, f"no prompt set {body.prompt_set_id}")
+    held_out = await _eval_prompts(state, body.eval_prompt_set_id, config)
     lines = await state.prompt_sets.lines(body.prompt_set_id)
     run_id = new_run_id(config.name)
     try:
         groups = build_groups(run_id, lines, config)
     except LineError as e:
         raise ServiceError(422, f"prompt set {body.prompt_set_id} under this config: {e}", errors=e.errors) from None
-    await state.runs.create(run_id, body.prompt_set_id, config.model_dump(mode="json"))
+    # stored before the run is visible: a rollout server evaluates version 0 as soon as it sees the run
+    await EvalLog(state.redis, Keys(run_id)).store_prompts(held_out)
+    try:
+        await state.runs.create(run_id, body.prompt_set_id, config.model_dump(mode="json"))
+    except (RunConflict, ValueError):
+        await state.redis.delete(Keys(run_id).eval_prompts)  # the run never existed
+        raise
     try:
         count = await enqueue(state.redis, Keys(run_id), groups)
     except RedisError as e:
         await state.runs.set_state(run_id, "failed", error=f"enqueue failed: {e}")
         raise ServiceError(503, f"could not enqueue the run's prompt groups: {e}", retry_after=5) from None
     return RunCreated(run_id=run_id, groups=count)
+
+
+async def _eval_prompts(state, set_id: str | None, config: RunConfig) -> list[EvalPrompt]:
+    """The run's held-out prompts (``services.evaluate``); 404/422 naming ``eval_prompt_set_id``."""
+    if set_id is None:
+        if config.eval.every > 0:
+            raise ServiceError(422, f"eval_prompt_set_id: required: the config asks for an evaluation every "
+                                    f"{config.eval.every} versions (eval.every); upload the held-out prompts first")
+        return []
+    if await state.prompt_sets.info(set_id) is None:
+        raise ServiceError(404, f"eval_prompt_set_id: no prompt set {set_id}")
+    try:
+        return eval_prompts(await state.prompt_sets.lines(set_id), config)
+    except LineError as e:
+        raise ServiceError(422, f"eval_prompt_set_id: prompt set {set_id} under this config: {e}",
+                           errors=e.errors) from None
 
 
 @router.get("/runs", response_model=list[RunRecord], summary="Runs, newest first")
@@ -162,11 +187,13 @@ async def run_status(run_id: str, request: Request) -> RunStatus:
     counts = await admission.counts()
     prompts = Stream.prompts(state.redis, keys)
     latest = await WeightRegistry(state.redis, keys).latest()
+    evals = await EvalLog(state.redis, keys).points()
     return RunStatus(
         run=run,
         reward_mean=last.get("reward_mean"),
         accuracy=last.get("accuracy"),
         accuracy_first=first.get("accuracy"),
+        eval=evals[max(evals)] if evals else None,
         weights_version=latest.version if latest else None,
         staleness=Staleness(
             max_staleness=config.staleness.max_staleness,

@@ -3,7 +3,8 @@
 Starts every service as `tandem up` does (embedded Redis, reward, control,
 rollout with vLLM, learner with DeepSpeed) on the bootstrapped example
 model, measures held-out accuracy through the services before and after a
-short GRPO run submitted with `tandem submit`, checks every trained group
+short GRPO run submitted with `tandem submit`, checks the held-out evaluations
+the rollout server made during the run (``eval.every``), checks every trained group
 against the staleness bound, then SIGTERMs the supervisor and checks that no
 process it started is left.
 """
@@ -87,6 +88,21 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
         final = asyncio.run(follow())
         assert final.run.state == "finished", final.run.error
         assert final.run.step == STEPS
+
+        # the rollout server evaluated versions 0, every, 2 * every, ... during the run (tandem submit
+        # uploaded data.eval): one point each, of every held-out prompt
+        async def eval_points() -> list[wire.MetricPoint]:
+            async with ControlClient(urls["control"], token) as control:
+                return [p for p in await control.metrics(run_id) if p.source == "eval"]
+
+        evals = asyncio.run(eval_points())
+        every = config.eval.every
+        assert every > 0 and STEPS >= 2 * every
+        steps = [p.step for p in evals]
+        assert len(steps) == len(set(steps)) and set(range(0, STEPS, every)) <= set(steps), steps
+        assert {p.values["count"] for p in evals} == {len(items)}
+        v0 = next(p.values["accuracy"] for p in evals if p.step == 0)
+        assert abs(v0 - before) <= 0.03, (v0, before)  # the same weights, greedy, batched differently
 
         # every trained group obeyed eta: step k (producing version k) used versions in [k-1-eta, k-1]
         trained = [json.loads(x) for x in (stack_dir / run_id / "learner" / "trained.jsonl").read_text().splitlines()]

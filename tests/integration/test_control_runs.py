@@ -103,6 +103,29 @@ async def test_run_on_a_missing_prompt_set_is_404_and_stores_nothing(control, sn
     assert await snapshot(control.redis) == before
 
 
+async def test_held_out_prompt_set_is_checked_and_stored_for_the_rollout_servers(control, snapshot):
+    """``eval_prompt_set_id``: unknown -> 404 naming the field, required by ``eval.every``; a known one is
+    stored as the run's held-out prompts (at most ``eval.max_prompts``, no format bonus)."""
+    from services.evaluate import EvalLog
+
+    set_id = await _prompt_set(control)
+    before = await snapshot(control.redis)
+    body = {"prompt_set_id": set_id, "config": run_config(), "eval_prompt_set_id": "ps-0123456789abcdef0123"}
+    r = await control.client.post("/v1/runs", json=body, headers=control.auth())
+    assert r.status_code == 404 and r.json()["detail"].startswith("eval_prompt_set_id: no prompt set"), r.text
+    r = await _start(control, set_id, run_config(eval={"every": 5}))
+    assert r.status_code == 422 and r.json()["detail"].startswith("eval_prompt_set_id: required"), r.text
+    assert await snapshot(control.redis) == before
+
+    config = run_config(eval={"every": 5, "max_prompts": 3}, reward={"format_weight": 0.2})
+    body = {"prompt_set_id": set_id, "config": config, "eval_prompt_set_id": set_id}
+    r = await control.client.post("/v1/runs", json=body, headers=control.auth())
+    assert r.status_code == 201, r.text
+    prompts = await EvalLog(control.redis, Keys(r.json()["run_id"])).prompts()
+    assert [p.prompt for p in prompts] == [x["prompt"] for x in ARITH_LINES[:3]]
+    assert {p.spec.type for p in prompts} == {"exact"}  # the training specs carry the format bonus, these not
+
+
 async def test_untyped_lines_that_do_not_fit_the_run_config_are_422(control, snapshot):
     r = await control.upload([{"prompt": "2+2=", "answer": "4"}])
     set_id = r.json()["id"]
@@ -167,6 +190,28 @@ async def test_status_and_metrics_report_what_the_services_wrote(control):
     assert later["next"] == page["next"] == page["points"][-1]["id"]
     bad = await control.client.get(f"/v1/runs/{run_id}/metrics?since=yesterday", headers=control.auth())
     assert bad.status_code == 422 and "since" in bad.json()["detail"]
+
+
+async def test_each_version_is_recorded_once_and_status_shows_the_newest(control):
+    """Two writers recording the same version (two rollout servers, or one and ``tandem run``): one
+    point, the first; ``GET /v1/runs/{id}`` shows the newest version's."""
+    from services.evaluate import EvalLog, EvalResult
+
+    run_id = (await _start(control, await _prompt_set(control))).json()["run_id"]
+    evals = EvalLog(control.redis, Keys(run_id))
+
+    def result(acc: float) -> EvalResult:
+        return EvalResult(accuracy=acc, mean_reward=acc, count=200, versions=frozenset(), infra_failures=0)
+
+    assert await evals.claim(10, "a") and not await evals.claim(10, "b")
+    recorded = await asyncio.gather(evals.record(10, result(0.5), "a"), evals.record(10, result(0.9), "b"))
+    assert sorted(recorded) == [False, True]
+    assert await evals.record(0, result(0.25), "a")
+    s = (await control.client.get(f"/v1/runs/{run_id}", headers=control.auth())).json()
+    first = "a" if recorded[0] else "b"
+    assert s["eval"] == {"version": 10, "accuracy": {"a": 0.5, "b": 0.9}[first], "count": 200, "by": first}
+    points = [p for p in await MetricsLog(control.redis, Keys(run_id)).read() if p.source == "eval"]
+    assert sorted((p.step, p.values["count"]) for p in points) == [(0, 200.0), (10, 200.0)]
 
 
 async def test_unknown_runs_are_404(control):

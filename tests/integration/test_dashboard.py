@@ -29,6 +29,7 @@ from starlette.responses import PlainTextResponse
 
 from broker import Keys
 from services.control.dashboard import CSP, STATIC
+from services.evaluate import EvalLog, EvalResult
 from services.runs import CHARTS, METRICS, MetricsLog, RunStore
 from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config
 
@@ -138,7 +139,8 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
 
             store, log = RunStore(control_redis), MetricsLog(control_redis, Keys(run_id))
             await store.set_state(run_id, "running")
-            await log.append("eval", 0, accuracy=0.3)
+            evals = EvalLog(control_redis, Keys(run_id))  # the rollout servers' held-out points (step = version)
+            await evals.record(0, EvalResult(0.3, 0.3, 200, frozenset({0}), 0), "rollout:r0")
             for step in range(1, STEPS + 1):
                 await log.append(
                     "learner", step, reward_mean=0.1 * step, loss=1 / step, kl=0.01 * step, entropy=2.0,
@@ -148,7 +150,7 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
                 await log.append("rollout:r0", step, rollout_tokens_per_s=4000 + step, rollout_idle_frac=0.1)
                 if step <= 3:  # a second rollout server, for half the run: a series of its own
                     await log.append("rollout:r1", step, rollout_tokens_per_s=3000 + step)
-            await log.append("eval", STEPS, accuracy=0.8)
+            await evals.record(STEPS, EvalResult(0.8, 0.8, 200, frozenset({STEPS}), 0), "rollout:r0")
             await store.update(run_id, step=STEPS, policy_version=STEPS)
             points = (await client.get(f"/v1/runs/{run_id}/metrics")).json()["points"]
             page = await client.get("/")
@@ -165,6 +167,7 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
     assert console == [], console
     assert 'data-ready="1"' in dom, dom[-3000:]
     assert run_id in text and "running" in text
+    assert f"0.800 (version {STEPS})" in text  # the newest held-out accuracy and the version it measured
     assert set(page.charts) == set(CHARTS)
     for chart_id, (_title, names) in CHARTS.items():
         chart = page.charts[chart_id]

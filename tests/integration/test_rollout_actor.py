@@ -118,12 +118,12 @@ async def actor_factory(rollout_engine, redis, keys, reward_service):
 
     tasks, clients = [], []
 
-    def start(config: RunConfig, concurrency: int = 8):
+    def start(config: RunConfig, concurrency: int = 8, name: str = ""):
         reward = RewardClient(reward_service.url, TOKEN, attempts=2, max_total_s=10)
         clients.append(reward)
         actor = Actor(
             rollout_engine, redis=redis, keys=keys, config=config, reward=reward,
-            server_id=f"test-{keys.run_id}", metrics=rollout_engine.metrics, concurrency=concurrency,
+            server_id=f"test-{keys.run_id}{name}", metrics=rollout_engine.metrics, concurrency=concurrency,
         )
         task = asyncio.create_task(actor.run())
         tasks.append(task)
@@ -305,3 +305,96 @@ async def test_follower_serves_the_active_run_until_it_is_stopped(
     finally:
         error = await asyncio.wait_for(cancel_and_wait(follower), 30)
     assert error is None
+
+
+# -- held-out evaluation on the rollout server ----------------------------------
+
+EVAL_PROMPTS = 24
+
+
+async def _eval_points(redis, keys) -> list:
+    from services.runs import MetricsLog
+
+    return [p for p in await MetricsLog(redis, keys).read() if p.source == "eval"]
+
+
+async def _wait_points(redis, keys, versions: set[int], task, timeout_s: float = 60) -> dict:
+    from services.evaluate import EvalLog
+
+    deadline = time.monotonic() + timeout_s
+    while not versions <= set(points := await EvalLog(redis, keys).points()):
+        assert not task.done(), task.exception() if not task.cancelled() else "actor cancelled"
+        assert time.monotonic() < deadline, f"eval points of {sorted(versions - set(points))} never came; have {points}"
+        await asyncio.sleep(0.1)
+    return points
+
+
+def _eval_config(tiny_model, tmp_path) -> RunConfig:
+    config = _config(tiny_model, tmp_path, eta=1, groups_per_step=2)
+    return config.model_copy(update={"eval": config.eval.model_copy(update={"every": 1})})
+
+
+async def _store_eval_prompts(redis, keys) -> None:
+    from services.evaluate import EvalLog
+
+    await EvalLog(redis, keys).store_prompts(
+        [wire.EvalPrompt(prompt=f"{i}+{i}=", spec=wire.RegexSpec(pattern="a")) for i in range(EVAL_PROMPTS)])
+
+
+async def test_actor_evaluates_each_due_version_alone_even_when_versions_arrive_at_once(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine
+):
+    """With ``eval.every = 1`` and three versions published at once while training groups are generated:
+    the version served at start and each of the three get one point, of all the held-out prompts. A
+    point is recorded only when every sample came from its version, so a load during an evaluation
+    (no hold-off) or a version skipped while catching up leaves one missing."""
+    config = _eval_config(tiny_model, tmp_path)
+    registry = WeightRegistry(redis, keys)
+    start = weight_versions.next_version()
+    await _publish(registry, weight_versions, 200, start)
+    await rollout_engine.load_weights(await _load_request(registry, start))
+    await _store_eval_prompts(redis, keys)
+    await _enqueue(redis, keys, count=8, n=config.sampling.group_size)
+    _actor, task = actor_factory(config)
+    await _wait_points(redis, keys, {start}, task)
+    for i in range(1, 4):
+        await _publish(registry, weight_versions, 200 + 10 * (i % 2), start + i)
+    points = await _wait_points(redis, keys, {start + i for i in range(4)}, task)
+    assert all(p.count == EVAL_PROMPTS for p in points.values())
+    assert sorted(p.step for p in await _eval_points(redis, keys)) == [start + i for i in range(4)]
+
+
+async def test_two_actors_evaluate_each_version_once(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine
+):
+    """Two actors (on the session's one engine) race for each version: one claims and evaluates it,
+    and its point is recorded once; recording it again does nothing."""
+    from services.evaluate import EvalLog, EvalResult
+
+    config = _eval_config(tiny_model, tmp_path)
+    registry = WeightRegistry(redis, keys)
+    start = weight_versions.next_version()
+    await _publish(registry, weight_versions, 200, start)
+    await rollout_engine.load_weights(await _load_request(registry, start))
+    await _store_eval_prompts(redis, keys)
+    generated = rollout_engine.metrics.registry.get_sample_value
+    sample = ("tandem_rollout_requests_total", {"source": "eval", "outcome": "ok"})
+    before = generated(*sample) or 0.0
+    (a, task_a), (b, task_b) = actor_factory(config, name="-a"), actor_factory(config, name="-b")
+    await _wait_points(redis, keys, {start}, task_a)
+    await _publish(registry, weight_versions, 210, start + 1)
+    points = await _wait_points(redis, keys, {start, start + 1}, task_b)
+    await asyncio.sleep(1.0)  # a second evaluation of either version would have finished by now
+    assert generated(*sample) - before == 2 * EVAL_PROMPTS  # each version's prompts generated once, by one actor
+    claims = {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.evals)).items() if k.startswith(b"claim:")}
+    assert set(claims) == {f"claim:{start}", f"claim:{start + 1}"}
+    assert {p.by for p in points.values()} <= {a.server_id, b.server_id}
+    assert all(points[v].by == claims[f"claim:{v}"] for v in points)
+    again = EvalResult(accuracy=1.0, mean_reward=1.0, count=1, versions=frozenset({start}), infra_failures=0)
+    assert not await EvalLog(redis, keys).record(start, again, "late")
+    assert sorted(p.step for p in await _eval_points(redis, keys)) == [start, start + 1]
+
+
+async def _load_request(registry: WeightRegistry, version: int) -> wire.LoadWeights:
+    wv = await registry.get(version)
+    return wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256)

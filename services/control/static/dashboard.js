@@ -58,7 +58,8 @@ function renderStatus(s) {
   document.getElementById("run-title").textContent = `Run ${s.run.run_id}`;
   const items = [
     ["state", s.run.state], ["step", s.run.step], ["policy version", s.run.policy_version],
-    ["reward (mean)", s.reward_mean], ["held-out accuracy", s.accuracy], ["accuracy before", s.accuracy_first],
+    ["reward (mean)", s.reward_mean], ["held-out accuracy", s.eval ? `${fmt(s.eval.accuracy)} (version ${s.eval.version})` : s.accuracy],
+    ["accuracy before", s.accuracy_first],
     ["max staleness η", s.staleness.max_staleness], ["max observed lag", s.staleness.max_observed_lag],
     ["stale dropped", s.staleness.stale_dropped], ["queued / in flight", `${s.staleness.queued} / ${s.staleness.in_flight}`],
     ["rollout tokens/s", s.throughput.rollout_tokens_per_s], ["learner tokens/s", s.throughput.learner_tokens_per_s],
