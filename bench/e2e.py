@@ -81,7 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.plan_cpu import SIZES  # noqa: E402
-from bench.pools import grid, measure_costs, simulate, table  # noqa: E402
+from bench.pools import measure_costs, report  # noqa: E402
 
 CONFIG = ROOT / "examples/arith/run.toml"
 RESULTS = ROOT / "bench/results/e2e.json"
@@ -487,36 +487,6 @@ def versions() -> dict:
     return out
 
 
-def pools_section(tandem: dict, eta: int, group_size: int, check: dict | None) -> tuple[str, dict]:
-    from bench.pools import Costs
-
-    costs = Costs(**tandem["costs"])
-    points = grid(costs)
-    one = simulate(costs, 1, eta)
-    k = costs.groups_per_step
-    measured = tandem["step_s_median"]
-    lines = [
-        "pools model (bench/pools.py), trained samples/s; rollout servers on machines of their own, "
-        "one learner; costs from the tandem run above:",
-        "  " + ", ".join(f"{name} {v:.3f}" for name, v in tandem["costs"].items() if isinstance(v, float)),
-        table(points, k, group_size),
-        f"measured here (1 rollout server, eta {eta}): {k * group_size / measured:.0f} samples/s "
-        f"(median step {measured:.3f} s); the model at that point: {one.samples_per_s(k, group_size):.0f} "
-        f"(step {one.step_s:.3f} s, learner idle {one.learner_idle:.0%}, rollout idle {one.rollout_idle:.0%}, "
-        f"stale {one.stale_frac:.0%})",
-    ]
-    out = {"costs": tandem["costs"], "grid": [p.__dict__ for p in points], "model_1_server": one.__dict__,
-           "measured_step_s": measured}
-    if check:
-        two = simulate(costs, 2, eta, cpu_share=0.5)
-        lines.append(
-            f"check, 2 rollout servers sharing one core (cpu_share 0.5): measured step {check['step_s_median']:.3f} s "
-            f"({k * group_size / check['step_s_median']:.0f} samples/s, stale dropped {check['stale_dropped']}); "
-            f"model {two.step_s:.3f} s ({two.samples_per_s(k, group_size):.0f} samples/s, stale {two.stale_frac:.0%})")
-        out["check"] = {"measured": check, "model": two.__dict__}
-    return "\n".join(lines), out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="example,25m", help="comma-separated: example, 25m")
@@ -564,8 +534,11 @@ def main() -> None:
             if args.pools_check:
                 print(f"[{size}] tandem run with 2 rollout servers ...", flush=True)
                 check = run_tandem(config, runs, work / "tandem-2-rollouts.log", {"TANDEM_STACK_ROLLOUTS": "2"})
-            pools_text, info["pools"] = pools_section(info["tandem"], base.staleness.max_staleness,
-                                                      base.sampling.group_size, check)
+            t = info["tandem"]
+            pools_text, info["pools"] = report(t["costs"], t["step_s_median"], base.staleness.max_staleness,
+                                               base.sampling.group_size,
+                                               check["step_s_median"] if check else None,
+                                               check["stale_dropped"] if check else None)
             text += "\n\n" + pools_text
         print("\n" + text + "\n", flush=True)
         texts.append(text)

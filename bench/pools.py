@@ -1,7 +1,9 @@
 """Throughput of separate rollout and learner pools, simulated from the costs one run measured.
 
 Imported by ``bench/e2e.py``, which measures the costs on a ``tandem run``
-(:func:`measure_costs`) and prints :func:`table` beside the measured figure.
+(:func:`measure_costs`) and prints :func:`report` beside the measured figure;
+``python bench/pools.py [bench/results/e2e.json]`` prints it again from a
+result file.
 
 The model is a small discrete-event simulation of ARCHITECTURE.md section 3
 and of how the services behave, with the costs as inputs (:class:`Costs`):
@@ -38,7 +40,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,22 @@ def grid(costs: Costs, servers=range(1, 9), etas=range(5), *, cpu_share: float =
     return [simulate(costs, n, e, cpu_share=cpu_share) for e in etas for n in servers]
 
 
+def calibrate(costs: Costs, step_s: float, eta: int, *, servers: int = 1) -> tuple[Costs, float]:
+    """``costs`` with both rollout latencies scaled by one factor ``k`` so that the simulated step at
+    (``servers``, ``eta``) is the measured ``step_s``; returns the costs and ``k``. The latencies fitted
+    from the ledger carry what the fit cannot separate (held-out evaluations sharing the engine,
+    scoring, waits); one measured point fixes their scale, another checks the model."""
+    def scaled(k: float) -> Costs:
+        return replace(costs, lat0_s=costs.lat0_s * k, lat1_s=costs.lat1_s * k)
+
+    lo, hi = 0.01, 100.0
+    for _ in range(30):  # the simulated step grows with k
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if simulate(scaled(mid), servers, eta).step_s < step_s else (lo, mid)
+    k = (lo * hi) ** 0.5
+    return scaled(k), k
+
+
 def table(points: list[Point], groups_per_step: int, group_size: int) -> str:
     """Trained samples/s, one row per eta, one column per rollout-server count."""
     servers = sorted({p.servers for p in points})
@@ -320,3 +338,50 @@ def measure_costs(ledger: list[dict], learner_points: list[dict], published: lis
         "measured_step_s": statistics.median(cadence) if cadence else None,
     }
     return costs, derived
+
+
+def report(costs: dict, step_s: float, eta: int, group_size: int, check_step_s: float | None = None,
+           check_stale: int | None = None) -> tuple[str, dict]:
+    """The pools table from one run's ``costs`` (:func:`measure_costs`), calibrated at its measured
+    ``step_s`` (1 rollout server, ``eta``); with ``check_step_s``, the measured step with two rollout
+    servers sharing one core (``cpu_share`` 0.5) beside the model's."""
+    fitted = Costs(**costs)
+    cal, k = calibrate(fitted, step_s, eta)
+    k_steps = cal.groups_per_step
+    one = simulate(cal, 1, eta)
+    lines = [
+        "pools model (bench/pools.py), trained samples/s; rollout servers on machines of their own, one learner;",
+        "  costs from the tandem run above: " + ", ".join(f"{n} {v:.3f}" for n, v in costs.items()
+                                                          if isinstance(v, float)),
+        f"  rollout latencies x{k:.2f} so that the model's step at (1 server, eta {eta}) comes closest to the "
+        f"measured {step_s:.3f} s",
+        table(grid(cal), k_steps, group_size),
+        f"measured here (1 rollout server, eta {eta}): {k_steps * group_size / step_s:.0f} samples/s (median step "
+        f"{step_s:.3f} s); the model: {one.samples_per_s(k_steps, group_size):.0f} (step {one.step_s:.3f} s, "
+        f"learner idle {one.learner_idle:.0%}, rollout idle {one.rollout_idle:.0%}, stale {one.stale_frac:.0%})",
+    ]
+    out = {"costs_fitted": costs, "scale": k, "costs": cal.__dict__, "grid": [p.__dict__ for p in grid(cal)],
+           "model_1_server": one.__dict__, "measured_step_s": step_s}
+    if check_step_s is not None:
+        two = simulate(cal, 2, eta, cpu_share=0.5)
+        lines.append(
+            f"check, 2 rollout servers sharing one core (cpu_share 0.5): measured step {check_step_s:.3f} s "
+            f"({k_steps * group_size / check_step_s:.0f} samples/s, stale dropped {check_stale}); model "
+            f"{two.step_s:.3f} s ({two.samples_per_s(k_steps, group_size):.0f} samples/s, stale {two.stale_frac:.0%})")
+        out["check"] = {"measured_step_s": check_step_s, "measured_stale_dropped": check_stale, "model": two.__dict__}
+    return "\n".join(lines), out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    result = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results/e2e.json").read_text())
+    example = result["sizes"]["example"]
+    tandem, check = example["tandem"], example.get("pools", {}).get("check", {})
+    measured = check.get("measured", {})
+    text, _ = report(tandem["costs"], tandem["step_s_median"], 1, 8,
+                     measured.get("step_s_median") or check.get("measured_step_s"),
+                     measured.get("stale_dropped", check.get("measured_stale_dropped")))
+    print(text)

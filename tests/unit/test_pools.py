@@ -89,3 +89,15 @@ def test_costs_are_read_from_the_ledger_and_learner_points():
     assert costs.signal_frac == pytest.approx(1 - 1 / 20)
     assert derived["forward_backward_s"] == pytest.approx(0.5)
     assert derived["measured_step_s"] == pytest.approx(1.0)
+
+
+def test_calibrate_scales_the_rollout_latencies_to_meet_a_measured_step():
+    from bench.pools import calibrate
+
+    c = Costs(lat0_s=0.2, lat1_s=0.01, train_s=0.5, publish_s=0.0, reload_s=0.1)
+    target = simulate(c, 1, 0).step_s + 0.35  # at eta 0 the step grows with the latencies, so it is reachable
+    cal, k = calibrate(c, target, 0)
+    assert k > 1.0
+    assert cal.lat1_s / cal.lat0_s == pytest.approx(c.lat1_s / c.lat0_s)
+    assert simulate(cal, 1, 0).step_s == pytest.approx(target, rel=1e-3)
+    assert (cal.train_s, cal.reload_s) == (c.train_s, c.reload_s)
