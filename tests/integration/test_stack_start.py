@@ -44,6 +44,9 @@ def test_services_start_at_once(tmp_path, clean_env):
 def test_torch_compile_cache_outlives_the_run(tmp_path, clean_env):
     """What torch.compile builds is kept in the user's cache (private), found by the next run's stack."""
     clean_env.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # torch's inductor writes its default into this process's environment once it has run (an earlier
+    # test); a user's own TORCHINDUCTOR_CACHE_DIR wins over the stack's choice, so take it away here
+    clean_env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     caches = {Stack(tmp_path / f"run-{i}", StackSettings())._env({})["TORCHINDUCTOR_CACHE_DIR"] for i in (1, 2)}
     assert caches == {str(tmp_path / "cache" / "tandem" / "torchinductor")}
     assert (tmp_path / "cache" / "tandem" / "torchinductor").stat().st_mode & 0o777 == 0o700
