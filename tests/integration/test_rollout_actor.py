@@ -341,6 +341,17 @@ async def _store_eval_prompts(redis, keys) -> None:
         [wire.EvalPrompt(prompt=f"{i}+{i}=", spec=wire.RegexSpec(pattern="a")) for i in range(EVAL_PROMPTS)])
 
 
+async def _serving_new_version_with_eval_prompts(redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine):
+    """An eval config, a fresh version published and loaded into the session's engine, the held-out prompts stored."""
+    config = _eval_config(tiny_model, tmp_path)
+    registry = WeightRegistry(redis, keys)
+    start = weight_versions.next_version()
+    await _publish(registry, weight_versions, 200, start)
+    await rollout_engine.load_weights(await _load_request(registry, start))
+    await _store_eval_prompts(redis, keys)
+    return config, registry, start
+
+
 async def test_actor_evaluates_each_due_version_alone_even_when_versions_arrive_at_once(
     actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine
 ):
@@ -348,12 +359,8 @@ async def test_actor_evaluates_each_due_version_alone_even_when_versions_arrive_
     the version served at start and each of the three get one point, of all the held-out prompts. A
     point is recorded only when every sample came from its version, so a load during an evaluation
     (no hold-off) or a version skipped while catching up leaves one missing."""
-    config = _eval_config(tiny_model, tmp_path)
-    registry = WeightRegistry(redis, keys)
-    start = weight_versions.next_version()
-    await _publish(registry, weight_versions, 200, start)
-    await rollout_engine.load_weights(await _load_request(registry, start))
-    await _store_eval_prompts(redis, keys)
+    config, registry, start = await _serving_new_version_with_eval_prompts(
+        redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine)
     await _enqueue(redis, keys, count=8, n=config.sampling.group_size)
     _actor, task = actor_factory(config)
     await _wait_points(redis, keys, {start}, task)
@@ -371,12 +378,8 @@ async def test_two_actors_evaluate_each_version_once(
     and its point is recorded once; recording it again does nothing."""
     from services.evaluate import EvalLog, EvalResult
 
-    config = _eval_config(tiny_model, tmp_path)
-    registry = WeightRegistry(redis, keys)
-    start = weight_versions.next_version()
-    await _publish(registry, weight_versions, 200, start)
-    await rollout_engine.load_weights(await _load_request(registry, start))
-    await _store_eval_prompts(redis, keys)
+    config, registry, start = await _serving_new_version_with_eval_prompts(
+        redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine)
     generated = rollout_engine.metrics.registry.get_sample_value
     sample = ("tandem_rollout_requests_total", {"source": "eval", "outcome": "ok"})
     before = generated(*sample) or 0.0
