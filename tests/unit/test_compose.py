@@ -12,6 +12,7 @@ gets no runs volume and no Redis. The Redis config the file holds is fed to a re
 
 from __future__ import annotations
 
+import fnmatch
 import re
 import shlex
 import shutil
@@ -32,6 +33,16 @@ from services.settings import env_names
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML as Compose reads it: ``!reset`` (drop what the base file set) becomes RESET."""
+
+
+RESET = object()
+ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+CPU = yaml.load((ROOT / "docker-compose.cpu.yml").read_text(), Loader=ComposeLoader)
+"""The CPU profile: an override file on top of docker-compose.yml."""
 SERVICES = COMPOSE["services"]
 TANDEM = {name: spec for name, spec in SERVICES.items() if spec.get("command", [])[:2] == ["tandem", "serve"]}
 ONE_SHOT = {name: spec for name, spec in SERVICES.items() if name != "redis" and name not in TANDEM}
@@ -291,11 +302,90 @@ def test_a_real_redis_server_enforces_the_compose_config(tmp_path):
         stop_group(proc, grace_s=5)
 
 
-def test_dockerfile_copies_what_exists():
+def dockerignored(path: str) -> bool:
+    """Whether the root .dockerignore keeps ``path`` out of the build context (its last matching
+    pattern decides, as Docker's does; patterns here are names or ``**/`` globs)."""
+    ignored = False
+    for pattern in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = pattern.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        keep = pattern.startswith("!")
+        pattern = pattern.lstrip("!").removeprefix("**/")
+        parts = Path(path).parts
+        if any(fnmatch.fnmatch("/".join(parts[:i]), pattern) or fnmatch.fnmatch(part, pattern)
+               for i, part in enumerate(parts, 1)):
+            ignored = not keep
+    return ignored
+
+
+def test_dockerfile_copies_what_exists_and_the_context_holds():
+    """Every COPY source exists and is in the build context (.dockerignore keeps .venv, runs/ and .env
+    out, and lets in only what the Dockerfile copies)."""
     dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
-    for line in dockerfile.splitlines():
-        if line.startswith("COPY "):
-            for source in line.split()[1:-1]:
-                assert (ROOT / source).exists(), f"deploy/Dockerfile copies missing {source}"
+    copies = [line.split()[1:-1] for line in dockerfile.splitlines() if line.startswith("COPY ")]
+    assert copies
+    for sources in copies:
+        if sources[0].startswith("--from="):
+            continue  # from an earlier stage
+        for source in sources:
+            assert list(ROOT.glob(source)), f"deploy/Dockerfile copies missing {source}"
+            assert not dockerignored(source), f".dockerignore leaves {source} out of the build context"
+    for secret in (".venv", "runs", ".env", ".git"):
+        assert dockerignored(secret), secret
+    assert "wheelhouse" in dockerfile and not dockerignored("deploy/wheelhouse/torch.whl")
     for name, spec in {**TANDEM, **ONE_SHOT}.items():
         assert spec["build"]["dockerfile"] == "deploy/Dockerfile", name
+
+
+def merged(name: str) -> dict:
+    """Service ``name`` as ``docker compose -f docker-compose.yml -f docker-compose.cpu.yml`` sees it
+    (Compose merges mappings key by key; ``!reset`` removes the key)."""
+    def merge(base, override):
+        if not (isinstance(base, dict) and isinstance(override, dict)):
+            return override
+        out = dict(base)
+        for key, value in override.items():
+            if value is RESET:
+                out.pop(key, None)
+            else:
+                out[key] = merge(base.get(key), value)
+        return out
+
+    return merge(SERVICES[name], CPU["services"].get(name, {}))
+
+
+def test_the_cpu_profile_only_changes_what_a_cpu_host_needs():
+    """One definition per service: the override names no new service and changes only images,
+    the GPU reservations (reset) and the CPU thread settings; the reward server stays under gVisor."""
+    assert set(CPU["services"]) <= set(SERVICES)
+    for name, spec in CPU["services"].items():
+        assert set(spec) <= {"image", "pull_policy", "environment", "deploy"}, name
+        assert spec["pull_policy"] == "never", name  # local builds: Docker Hub need not be reachable
+    for name in ("rollout", "learner"):
+        assert CPU["services"][name]["deploy"] is RESET and "deploy" not in merged(name)
+        assert "deploy" in SERVICES[name]  # the GPU default keeps its reservation
+    assert merged("learner")["environment"]["DS_ACCELERATOR"] == "cpu"
+    assert "VLLM_CPU_OMP_THREADS_BIND" in merged("rollout")["environment"]
+    assert merged("reward")["runtime"] == "runsc"
+    assert "--appendonly" in merged("redis")["command"] and merged("redis")["configs"] == SERVICES["redis"]["configs"]
+
+
+def test_the_cpu_profile_uses_the_images_that_make_image_builds():
+    script = (ROOT / "deploy" / "image.sh").read_text()
+    built = dict(re.findall(r"^(TANDEM_IMAGE|REDIS_IMAGE)=\$\{\1:-([^}]+)\}", script, re.M))
+    assert interpolate(merged("redis")["image"], {}) == built["REDIS_IMAGE"]
+    for name in {**TANDEM, **ONE_SHOT}:
+        assert interpolate(merged(name)["image"], {}) == built["TANDEM_IMAGE"], name
+    assert "EXTRAS=cpu,learner,reward,report" in script
+
+
+@pytest.mark.parametrize("name", sorted({**TANDEM, **ONE_SHOT}))
+def test_the_cpu_profile_variables_load_as_settings(name, monkeypatch):
+    """What the override adds: TANDEM_* variables are settings of the service; the rest are the
+    CPU backends' own (vLLM's thread binding, DeepSpeed's accelerator, OpenMP)."""
+    environment = merged(name)["environment"]
+    known = env_names(settings_class(name))
+    for variable in CPU["services"].get(name, {}).get("environment", {}):
+        assert variable in known or variable in {"VLLM_CPU_OMP_THREADS_BIND", "DS_ACCELERATOR", "OMP_NUM_THREADS"}
+    settings_from(name, environment, monkeypatch)
