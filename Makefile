@@ -14,11 +14,11 @@ EXTRAS := cpu,learner,reward,report,modal
 
 # make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
-SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_rollout_models \
+SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_rollout_models test_rollout_logprobs_modes \
 	test_learner_engine test_learner_service test_learner_vllm test_dashboard test_bench_gpu test_volume_sync
 FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
 
-.PHONY: run test test-fast chaos bench bench-e2e lint clean
+.PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml
@@ -35,6 +35,12 @@ test-fast: $(STAMPS)/dev
 # reliability table and writes bench/results/chaos.json. About 15 minutes on two cores.
 chaos: $(STAMPS)/dev
 	CHAOS_RESULTS=bench/results/chaos.json $(PY) -m pytest -q -s -ra -m chaos tests/chaos
+
+# make mutation: small changes to the core modules (broker/admission.py, broker/streams.py, learner/loss.py,
+# learner/feeder.py, learner/advantages.py), each run against the fast tests that cover it, in copies of the
+# repository under /tmp (bench/mutation.py); prints the score and writes bench/results/mutation.json. ~15 minutes.
+mutation: $(STAMPS)/dev
+	$(PY) bench/mutation.py
 
 lint: $(STAMPS)/dev
 	$(VENV)/bin/ruff check .
@@ -86,3 +92,13 @@ bench-e2e: $(STAMPS)/bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# make image: the CPU profile's images (tandem:cpu, tandem/redis:bookworm) without Docker Hub: a debootstrap
+# base when python:3.11-slim cannot be pulled, wheels from the host's pip (deploy/image.sh). About 4.3 GB.
+image: $(STAMPS)/install
+	PYTHON=$(PY) PIP_WHEEL_ARGS="$(TORCH_INDEX)" sh deploy/image.sh
+
+# make compose-test: docker compose up of the CPU profile trains the example, down -v leaves nothing
+# (tests/compose; sets up Docker as root when missing). Not part of make test: 15-25 minutes on two cores.
+compose-test: $(STAMPS)/dev
+	$(PY) -m pytest -q -ra -s -m compose tests/compose

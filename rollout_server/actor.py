@@ -69,6 +69,7 @@ import httpx
 
 from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRegistry
 from broker.ledger import Ledger
+from broker.streams import raise_if_cancelled
 from broker.weights import WeightVersion
 from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
 from rollout_server.metrics import RolloutMetrics
@@ -168,6 +169,7 @@ class Actor:
         slots = asyncio.Semaphore(self.concurrency)
         while True:
             await slots.acquire()
+            raise_if_cancelled()
             started = False
             try:
                 decision = await self.admission.reserve(self.engine.version, timeout_s=1.0)
@@ -204,6 +206,7 @@ class Actor:
             self._hold.release()  # taken for this first evaluation by run()
         while True:
             latest = await self.registry.wait_newer(self.engine.version, timeout_s=30.0)
+            raise_if_cancelled()
             if latest is not None:
                 await self._load(latest)
 
@@ -307,6 +310,7 @@ class Actor:
     async def _heartbeat(self) -> None:
         while True:
             await self.registry.report_in_use(self.server_id, self.engine.version)
+            raise_if_cancelled()
             await asyncio.sleep(HEARTBEAT_S)
 
     # -- one group -------------------------------------------------------------
@@ -314,7 +318,9 @@ class Actor:
     async def _renew(self, ticket: Ticket, lost: asyncio.Event) -> None:
         while True:
             await asyncio.sleep(self.admission.lease_s / 3)
-            if not await self.admission.renew(ticket):
+            renewed = await self.admission.renew(ticket)
+            raise_if_cancelled()
+            if not renewed:
                 lost.set()
                 return
 

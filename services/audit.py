@@ -12,7 +12,9 @@ The checks, each a violation when it fails:
   within ``eta`` of the step that used it: ``0 <= lag(basis, version) <= eta``
   with retracted versions not counted (``broker.admission.lag``), and never
   from a retracted version;
-- no step trained more groups than ``learner.groups_per_step``;
+- no step trained more groups than ``learner.groups_per_step``, and, in a
+  finished run, every step up to its last trained some (a step whose groups
+  were trained into a checkpoint but never acknowledged is training lost);
 - weight versions were published contiguously (each one more than the
   last, none twice), every retracted version was published, and every
   version a rollout server loaded was published with the sha256 it loaded,
@@ -91,7 +93,7 @@ def audit(entries: list[dict]) -> Audit:
     sha: dict[int, str] = {}
     retracted: set[int] = set()
     per_step: Counter[int] = Counter()
-    eta = groups_per_step = None
+    eta = groups_per_step = finished_steps = None
     for e in entries:
         kind, gid, d = e["e"], e["g"], e["d"]
         if kind == "queued":
@@ -134,6 +136,7 @@ def audit(entries: list[dict]) -> Audit:
                 a.violate(f"{d.get('server')} loaded version {v} after it was retracted")
         elif kind == "closed":
             a.closed = d.get("reason", "closed")
+            finished_steps = d.get("steps")
         if gid and kind not in ("queued", "closed") and gid not in queued:
             a.violate(f"group {gid}: {kind} but never queued")
     a.queued = len(queued)
@@ -163,7 +166,21 @@ def audit(entries: list[dict]) -> Audit:
         for step, n in sorted(per_step.items()):
             if n > groups_per_step:
                 a.violate(f"step {step} trained {n} groups (groups_per_step {groups_per_step})")
+    if finished_steps:
+        untrained = [s for s in range(1, finished_steps + 1) if not per_step[s]]
+        if untrained:
+            a.violate(f"the run finished {finished_steps} steps, but these trained no group: {_ranges(untrained)}")
     return a
+
+
+def _ranges(steps: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out, start = [], steps[0]
+    for prev, cur in zip(steps, steps[1:] + [None], strict=True):
+        if cur != prev + 1:
+            out.append(f"{start}-{prev}" if prev != start else str(start))
+            start = cur
+    return ", ".join(out)
 
 
 def _check_trained(a: Audit, gid: str, d: dict, gen: dict | None, eta: int | None, retracted: set[int]) -> None:

@@ -142,18 +142,6 @@ def run(
     typer.echo(str(run_dir))
 
 
-@app.command()
-def demo(
-    steps: Annotated[int, typer.Option(help="Learner steps to simulate.")] = 12,
-    max_staleness: Annotated[int, typer.Option("--max-staleness", help="eta, the staleness bound.")] = 1,
-    run_dir: Annotated[Path, typer.Option(help="Where the embedded Redis keeps its AOF.")] = Path("runs/demo"),
-) -> None:
-    """Broker demo: trajectory groups through embedded Redis under a staleness bound."""
-    from services.demo import run_demo
-
-    raise typer.Exit(run_demo(steps=steps, max_staleness=max_staleness, run_dir=run_dir))
-
-
 @app.command("bootstrap-model")
 def bootstrap_model(
     out: Annotated[Path, typer.Option("--out", help="Model directory to write.")] = Path("runs/models/arith"),

@@ -197,7 +197,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         "max_observed_lag": st.max_observed_lag,
         "stale_dropped": st.stale_dropped,
         "counters": status.counters,
-        "throughput": status.throughput.model_dump(),
+        "throughput": _run_means(points, wire.Throughput.model_fields),
     }
     try:
         verdict = audit_file(run_dir).as_dict()
@@ -211,6 +211,16 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
     console.print(f"audit: ok ({verdict['groups']['trained']} groups trained once each, "
                   f"{verdict['groups']['dropped']} dropped with a reason, none lost)")
     return run_dir
+
+
+def _run_means(points: list[wire.MetricPoint], names) -> dict[str, float | None]:
+    """The mean of each of ``names`` over the run's metric points (the status holds only the last
+    sample, taken after the rollout servers went idle)."""
+    out = {}
+    for name in names:
+        xs = [p.values[name] for p in points if name in p.values]
+        out[name] = sum(xs) / len(xs) if xs else None
+    return out
 
 
 async def _status(stack: Stack, run_id: str) -> wire.RunStatus:

@@ -55,6 +55,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from broker.keys import ACTIVE_RUN, RUNS, Keys
+from broker.streams import raise_if_cancelled
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.wire import TERMINAL_STATES, MetricPoint, RunRecord, RunState
 
@@ -337,7 +338,7 @@ class RunWatcher:
         """Wait for an active run not offered before, with a valid config; None once ``stop`` is set."""
         while not self._stopping():
             record = await self.store.active()
-            _raise_if_cancelled()
+            raise_if_cancelled()
             if record is None or record.run_id in self._offered:
                 await asyncio.sleep(self.poll_s)
                 continue
@@ -358,7 +359,7 @@ class RunWatcher:
         """Tick every ``poll_s`` while the run is queued or running; return once it is not
         (finished, stopped, failed) or ``stop`` is set."""
         while not self._stopping() and await self.store.is_live(run_id):
-            _raise_if_cancelled()
+            raise_if_cancelled()
             await asyncio.sleep(self.poll_s)
             yield
 
@@ -368,17 +369,6 @@ class RunWatcher:
             await self.store.set_state(run_id, "failed", error=error)
         except TransitionError:
             pass  # another service failed it first, or it was stopped meanwhile
-
-
-def _raise_if_cancelled() -> None:
-    """End a polling loop whose task was cancelled during a Redis command that then completed.
-
-    redis-py 8.1 under Python 3.11 can lose a cancellation that arrives while a command takes a
-    pooled connection (seen: ``wait_for(watcher.next(), 0.3)`` hung for good, the task
-    "cancelling" yet sleeping in its next poll); the task's cancel count still says so."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
 
 
 class MetricsLog:

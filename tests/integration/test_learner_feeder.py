@@ -8,13 +8,15 @@ from learner.feeder import DataTimeout
 from tests.fixtures.learner import add_group, make_group
 
 
-def feeder_for(redis, keys, eta: int, *, filter_zero_variance: bool = True, consumer: str = "learner-test"):
+def feeder_for(redis, keys, eta: int, *, filter_zero_variance: bool = True, consumer: str = "learner-test",
+               visibility_timeout_s: float = 300.0):
     from learner.feeder import Feeder
     from services.config import RunConfig
 
     cfg = RunConfig.model_validate({
         "model": {"path": "unused"}, "data": {"train": "unused"},
-        "staleness": {"max_staleness": eta}, "loss": {"filter_zero_variance": filter_zero_variance},
+        "staleness": {"max_staleness": eta, "visibility_timeout_s": visibility_timeout_s},
+        "loss": {"filter_zero_variance": filter_zero_variance},
     })
     return Feeder(redis, keys, cfg, vocab_size=90, max_len=128, consumer=consumer)
 
@@ -33,6 +35,7 @@ async def test_eta0_accepts_only_the_preceding_version(redis, keys):
     await feeder.ack_trained([d for d, _ in batch])
     c = await counters(redis, keys)
     assert c["stale_dropped"] == 2 and c["accepted"] == 1
+    assert feeder.counts["stale_dropped"] == 2  # the feeder's own count (the learner's metrics) agrees
     # the v4 group is read at the next step and refused: accept() admits no group from the future
     with pytest.raises(DataTimeout):
         await feeder.next_batch(3, 1, timeout_s=1.5)
@@ -96,6 +99,7 @@ async def test_zero_variance_groups_are_filtered_or_kept(redis, keys):
     with pytest.raises(DataTimeout):
         await feeder.next_batch(0, 1, timeout_s=1.0)
     assert (await counters(redis, keys))["zero_variance_dropped"] == 1
+    assert feeder.counts["zero_variance_dropped"] == 1
     gid2, _ = make_group(keys.run_id, 0)
     raw["group_id"] = gid2
     await stream.add(Envelope(gid2, 0, msgpack.packb(raw)))
@@ -132,3 +136,61 @@ async def test_start_takes_over_what_a_dead_learner_left_pending(redis, keys):
     fresh = feeder_for(redis, keys, eta=1, consumer="learner-new")
     assert await fresh.start() == 3
     assert list(fresh.buffer) == gids
+
+
+async def test_held_groups_free_their_tickets_stay_out_of_the_buffer_and_are_kept_from_redelivery(redis, keys):
+    """What bench/mutation.py found untested: hold(), the keep-alive of held entries, the ``handed``
+    ledger entries and the idle time."""
+    from broker import Admission, Envelope, Stream
+    from broker.ledger import Ledger
+
+    feeder = feeder_for(redis, keys, eta=1, visibility_timeout_s=2.4)  # above the 1 s read block it touches between
+    assert feeder.idle_s == 0.0  # it has not waited for data yet
+    assert await feeder.start() == 0  # nothing pending to take over
+    adm, prompts = Admission(redis, keys, max_staleness=1, groups_per_step=1), Stream.prompts(redis, keys)
+    await prompts.ensure_group()
+    gid, payload = make_group(keys.run_id, 0)
+    await prompts.add(Envelope(gid, -1, b""))
+    ticket = (await adm.try_reserve(0)).ticket
+    [prompt] = await prompts.read("rollout", block_ms=None)
+    await prompts.handoff(prompt, feeder.stream, Envelope(gid, 0, payload), ticket.token)
+    assert await adm.counts() == {"queued": 1, "in_flight": 0}
+
+    batch = await feeder.next_batch(0, 1, timeout_s=5)
+    handed = [e for e in await Ledger(redis, keys).read() if e["e"] == "handed"]
+    assert [(e["g"], e["d"]["version"], e["d"]["delivery"]) for e in handed] == [(gid, 0, 1)]
+    await feeder.hold([d for d, _ in batch])
+    assert await adm.counts() == {"queued": 0, "in_flight": 0}  # the rollout servers may go on
+    await feeder._admit([d for d, _ in batch])  # a redelivery of a held group
+    assert list(feeder.buffer) == [] and list(feeder.held) == [gid]
+
+    # waiting for the next step's data (5.5 s, over two visibility timeouts): the held entry is kept alive
+    with pytest.raises(DataTimeout):
+        await feeder.next_batch(1, 1, timeout_s=5.5)
+    assert await feeder.stream.read("another-learner", block_ms=None) == []
+    assert feeder.idle_s > 0.0
+
+
+async def test_a_payload_under_another_group_id_is_dead_lettered(redis, keys):
+    from broker import Envelope
+
+    feeder = feeder_for(redis, keys, eta=1)
+    await feeder.start()
+    _gid, payload = make_group(keys.run_id, 0)
+    await feeder.stream.add(Envelope("some-other-id", 0, payload))
+    with pytest.raises(DataTimeout):
+        await feeder.next_batch(0, 1, timeout_s=1.0)
+    [dead] = await feeder.stream.dead_letters()
+    assert dead["g"] == "some-other-id" and "differs from the payload's" in dead["reason"]
+    assert feeder.counts["dead_lettered"] == 1
+
+
+async def test_a_step_reads_only_the_groups_it_still_needs(redis, keys):
+    feeder = feeder_for(redis, keys, eta=1)
+    await feeder.start()
+    for _ in range(5):
+        await add_group(redis, keys, 0)
+    await feeder._admit(await feeder.stream.read(feeder.consumer, count=1, block_ms=None))  # one buffered
+    batch = await feeder.next_batch(0, 3, timeout_s=5)
+    assert len(batch) == 3 and not feeder.buffer
+    assert await feeder.stream.pending() == 3  # two more read for it; two left unread for later

@@ -140,7 +140,10 @@ def test_data_directory_and_files_are_private(tmp_path):
         client = redis_sync.Redis.from_url(server.url)
         client.xadd("t:trajectories", {"p": os.urandom(64)})
         client.bgrewriteaof()  # makes the base files of the AOF too
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while (info := client.info("persistence"))["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]:
+            assert time.monotonic() < deadline, "the AOF rewrite never finished"
+            time.sleep(0.05)
         client.close()
         server.stop()
     modes = _modes(data)

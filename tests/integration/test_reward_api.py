@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -71,10 +72,13 @@ async def test_malformed_requests(gvisor_server):
 
 
 async def test_full_queue_answers_429_with_retry_after(reward_app):
-    async with reward_app(sandbox="bwrap", workers=1, max_queued=1) as (_app, client):
+    async with reward_app(sandbox="bwrap", workers=1, max_queued=1) as (app, client):
         slow = asyncio.create_task(client.post("/v1/execute", json={
-            "code": "import time\ntime.sleep(1.5)", "limits": {"wall_s": 5}}))
-        await asyncio.sleep(0.3)
+            "code": "import time\ntime.sleep(3)", "limits": {"wall_s": 10}}))
+        deadline = time.monotonic() + 10
+        while app.state.scorer.queue.admitted < 1:  # wait for the slow job's admission, however long it takes
+            assert time.monotonic() < deadline and not slow.done(), "the slow job was never admitted"
+            await asyncio.sleep(0.01)
         refused = await client.post("/v1/execute", json={"code": "print(1)"})
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1

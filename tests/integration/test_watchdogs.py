@@ -347,10 +347,9 @@ async def test_the_dashboard_lists_the_incidents(serve_control, control_redis, t
     from services.runs import RunStore
     from services.watchdog import incident
     from tests.fixtures.control import READ_TOKEN, run_config
-    from tests.integration.test_dashboard import CHROMIUM, _chromium
+    from tests.integration.test_dashboard import _chromium, require_chromium
 
-    if CHROMIUM is None:
-        pytest.skip("needs Debian's chromium package (apt-get install chromium)")
+    require_chromium()
     await RunStore(control_redis).create("wd-dash", "ps-x", run_config())
     await IncidentLog(control_redis, Keys("wd-dash")).append(incident(
         "learner rank 0 of 2, step 7", "the collective all_reduce of the step statistics", waited_s=900.2,

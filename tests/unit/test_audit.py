@@ -34,7 +34,7 @@ def clean_run() -> list[dict]:
     log += [e("generated", g, server="r1", version=1, statuses={"ok": 4}) for g in ("g5", "g6")]
     log += [e("trained", g, step=2, basis=3, version=1) for g in ("g5", "g6")]  # lag 3 - 1 - 1 = 1
     log += [e("published", version=4, sha256=SHA[4], step=2), e("loaded", server="r1", version=4, sha256=SHA[4])]
-    log += [e("dropped", "g7", reason="run_finished"), e("closed", reason="run_finished", ended=1)]
+    log += [e("dropped", "g7", reason="run_finished"), e("closed", reason="run_finished", ended=1, steps=2)]
     return log
 
 
@@ -71,6 +71,11 @@ def test_a_clean_run_with_a_crash_passes():
     (lambda log: log + [e("retracted", versions=[8])], "version 8 retracted but never published"),
     (lambda log: [e("queued", "gx")] + log + [e("generated", "gx", version=1), e("trained", "gx", step=2, basis=3, version=1)],
      "step 2 trained 3 groups"),
+    # step 2's groups trained into a checkpoint but never acknowledged, then ended with the run
+    (lambda log: [x if x["e"] != "trained" or x["g"] not in ("g5", "g6") else e("dropped", x["g"], reason="run_finished")
+                  for x in log], "finished 2 steps, but these trained no group: 2"),
+    (lambda log: [x if x["e"] != "closed" else e("closed", reason="run_finished", ended=1, steps=5) for x in log],
+     "these trained no group: 3-5"),
 ])
 def test_each_violation_is_caught(change, expect):
     a = audit(change(clean_run()))

@@ -22,5 +22,6 @@ def test_cli_help_answers():
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True, timeout=60, check=True
     )
-    for command in ("serve", "demo"):
+    for command in ("serve", "up", "run", "submit", "status"):
         assert command in out.stdout
+    assert "demo" not in out.stdout  # its module is gone

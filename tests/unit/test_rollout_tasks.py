@@ -52,3 +52,45 @@ async def test_returns_what_the_task_failed_with():
 
     stopped = asyncio.create_task(asyncio.sleep(3600))
     assert await cancel_and_wait(stopped) is None and stopped.cancelled()
+
+
+class _SwallowingRegistry:
+    """What redis-py 8.1 on Python 3.11 sometimes does with a cancellation that lands inside a
+    command: the command completes and the cancellation is gone (a test double, no Redis)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.entered = asyncio.Event()
+
+    async def report_in_use(self, server_id: str, version: int) -> None:
+        self.calls += 1
+        self.entered.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            pass
+
+    async def wait_newer(self, version: int, timeout_s: float):
+        return await self.report_in_use("", version)
+
+
+@pytest.mark.parametrize("loop", ["_heartbeat", "_watch_weights"])
+async def test_an_actor_loop_ends_although_redis_lost_its_cancellation(loop, monkeypatch):
+    """Seen in the suite: a cancelled actor did not stop within 30 s, its heartbeat still running."""
+    from types import SimpleNamespace
+
+    from rollout_server import actor as actor_module
+
+    monkeypatch.setattr(actor_module, "HEARTBEAT_S", 0.01)
+    registry = _SwallowingRegistry()
+    this = SimpleNamespace(registry=registry, server_id="s", engine=SimpleNamespace(version=0),
+                           _hold=asyncio.Lock(), _evaluate_if_due=lambda: asyncio.sleep(0), _load=None)
+    await this._hold.acquire()
+    task = asyncio.create_task(getattr(actor_module.Actor, loop)(this))
+    await registry.entered.wait()
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    if not done:  # a loop that lost the cancellation: end it so the session does not hang
+        task.cancel()
+        await asyncio.wait({task}, timeout=2)
+    assert task in done and task.cancelled(), f"still looping after {registry.calls} calls"
