@@ -99,6 +99,7 @@ image: $(STAMPS)/install
 	PYTHON=$(PY) PIP_WHEEL_ARGS="$(TORCH_INDEX)" sh deploy/image.sh
 
 # make compose-test: docker compose up of the CPU profile trains the example, down -v leaves nothing
-# (tests/compose; sets up Docker as root when missing). Not part of make test: 15-25 minutes on two cores.
+# (tests/compose; sets up Docker as root when missing). Not part of make test: 6-10 minutes on two cores with
+# the images built, about 11 more to build them.
 compose-test: $(STAMPS)/dev
 	$(PY) -m pytest -q -ra -s -m compose tests/compose

@@ -72,6 +72,8 @@ EQUIVALENT: dict[str, str] = {
         "branch is never reached (redis-py gives the deleted entry's id as None, and those are filtered out first)",
     "broker/streams.py:474 Stream.close: 500 -> 499":
         "the page size only splits the same work into more script calls",
+    "broker/streams.py:414 Stream._skip_done: False -> True":
+        "the pipeline of read-only SISMEMBERs becomes a MULTI/EXEC transaction: the same answers",
     "learner/feeder.py:188 Feeder._touch_held: self._touched = time.monotonic() -> pass":
         "the held entries are then touched on every wait instead of every visibility_timeout/3: more XCLAIMs, "
         "the same deliveries",
@@ -86,6 +88,11 @@ Survivors that do change behaviour and are left without a test on purpose are li
 bench/results/mutation.json with the reason under ``accepted``."""
 
 ACCEPTED: dict[str, str] = {
+    "broker/streams.py:286 Stream.add: 0.01 -> 1.01":
+        "the first back-off of a producer waiting for room in a full stream is 1.01 s instead of 0.01 s: "
+        "the same entries are added, later",
+    "broker/streams.py:336 Stream.read: 1000 -> 999":
+        "the default read blocks 999 ms instead of 1000 ms for new entries: the same deliveries",
     "broker/streams.py:297 Stream.add: 2 -> 3":
         "the back-off of a producer waiting for room in a full stream grows x3 instead of x2 (capped at 0.5 s): "
         "the same entries are added, at most a little later",

@@ -270,3 +270,36 @@ async def test_dead_letters_record_their_stream_version_and_reason(redis, keys):
     for i in range(101):
         await redis.xadd(keys.dead(keys.trajectories), {"g": f"d{i}"})
     assert len(await stream.dead_letters()) == 100
+
+
+async def test_reserve_ends_although_the_redis_client_lost_its_cancellation(redis, keys):
+    """broker.streams.raise_if_cancelled in Admission.reserve: redis-py 8.1 on Python 3.11 can
+    swallow a cancellation inside a command (the double below does what it does)."""
+
+    class Swallowing(Admission):
+        async def try_reserve(self, loaded_version):
+            try:
+                await asyncio.sleep(0.02)
+            except asyncio.CancelledError:
+                pass  # the command completes, the cancellation is gone
+            return await super().try_reserve(loaded_version)
+
+    adm = Swallowing(redis, keys, max_staleness=0, groups_per_step=1)
+    assert (await adm.try_reserve(0)).ticket is not None  # the run is full from here on
+    task = asyncio.create_task(adm.reserve(0, timeout_s=5.0, poll_s=0.01))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2)
+    assert task in done and task.cancelled(), "reserve kept polling after its task was cancelled"
+
+
+async def test_read_returns_at_most_count_when_some_are_reclaimed(redis, keys):
+    stream = Stream.prompts(redis, keys, visibility_timeout_s=0.05)
+    await stream.ensure_group()
+    await stream.add(Envelope("old", -1, b""))
+    [first] = await stream.read("a", block_ms=None)
+    for i in range(3):
+        await stream.add(Envelope(f"new{i}", -1, b""))
+    time.sleep(0.1)  # "old" is past its visibility timeout: reclaimed first, then new ones fill up to count
+    got = await stream.read("b", count=2, block_ms=None)
+    assert [d.envelope.group_id for d in got] == ["old", "new0"]
