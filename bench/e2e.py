@@ -54,7 +54,7 @@ Figures, per side:
 Then the pools model (``bench/pools.py``) from the tandem run's costs, beside the
 measured single-machine figure; ``--pools-check`` measures one more point, two
 rollout servers on this machine (``TANDEM_STACK_ROLLOUTS=2``), which the
-supervisor pins to the same core as one (``services.supervisor.cpu_split``), so
+supervisor pins to the same core as one (``deploy.stack.cpu_split``), so
 the model is told ``cpu_share = 0.5``.
 """
 

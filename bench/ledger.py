@@ -29,7 +29,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 from broker import Envelope, Keys, Stream, connect  # noqa: E402
 from broker.embedded import EmbeddedRedis  # noqa: E402
 from broker.ledger import LUA, Ledger, read_file  # noqa: E402
-from services.audit import audit  # noqa: E402
+from deploy.audit import audit  # noqa: E402
 
 NOOP = "\nlocal function ledger(key, event, gid, detail) end\n"
 BATCH = 16

@@ -1,6 +1,6 @@
 """Load test: the real services on loopback under bounded, concurrent load (issue 13, item 5).
 
-Starts an embedded Redis and, each as ``python -m services.cli serve NAME``
+Starts an embedded Redis and, each as ``python -m deploy.cli serve NAME``
 on a free port in its own process group, the reward server (the default
 sandbox backend: gVisor when runsc works, else bubblewrap), the control plane
 and a rollout server on a tiny Qwen3 built in code; then runs four loads:
@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from broker.processes import die_with_parent, free_port, stop_groups  # noqa: E402
-from services.supervisor import wait_healthy  # noqa: E402
+from deploy.stack import wait_healthy  # noqa: E402
 
 RETRY_CAP_S = 10.0
 """Longest a client waits on a Retry-After before its next request."""
@@ -283,7 +283,7 @@ class Service:
 
 def spawn(name: str, workdir: Path, env: dict[str, str], args: tuple[str, ...] = (),
           timeout_s: float = 120) -> Service:
-    """``python -m services.cli serve NAME`` on a free port in its own process group, healthy.
+    """``python -m deploy.cli serve NAME`` on a free port in its own process group, healthy.
 
     The environment is this one without its ``TANDEM_*`` and ``REDIS_URL``, plus a new token, a run
     directory under ``workdir`` and ``env``."""
@@ -297,7 +297,7 @@ def spawn(name: str, workdir: Path, env: dict[str, str], args: tuple[str, ...] =
     log = workdir / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *args],
+            [sys.executable, "-m", "deploy.cli", "serve", name, "--port", str(port), *args],
             cwd=ROOT, env=full, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=die_with_parent,
         )
@@ -500,7 +500,7 @@ def pool_bounds(row: dict[str, int]) -> dict[str, int]:
     per sandbox one per process a job may have, plus the agent, the zygote and the harness's own; the
     control plane holds at most ``REDIS_CONNECTIONS`` Redis connections (Redis: those, plus one
     client of this census)."""
-    from services.control.app import REDIS_CONNECTIONS
+    from control_plane.app import REDIS_CONNECTIONS
 
     return {"gvisor_stubs": row.get("sandboxes", 0) * (HOSTILE_LIMITS["processes"] + 8),
             "redis_connections": REDIS_CONNECTIONS, "clients": REDIS_CONNECTIONS + 1}

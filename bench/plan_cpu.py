@@ -10,7 +10,7 @@ learner's own ``learner.engine.Engine`` (the code path ``bench/gpu.py``
 times) in its default precision, fp32, runs ``STEPS`` real GRPO optimizer
 steps on synthetic groups (``bench.gpu.synthetic_groups`` through
 ``learner.batch.build_batch``). The table puts the peak beside the
-``services.plan`` figure for the same shape (``dtype_bytes=4``),
+``deploy.plan`` figure for the same shape (``dtype_bytes=4``),
 ``Plan.learner``: weights + gradients + optimizer + the larger of the
 activations and the optimizer step's transients, one micro-batch of ``GROUP_SIZE``
 sequences of ``SEQ_LEN`` tokens. Two steps, because Adam's moments appear at
@@ -36,7 +36,7 @@ DeepSpeed's gradient reduce bucket is reported apart. At ZeRO >= 1 the ZeRO
 optimizer allocates ``reduce_bucket_size`` (default 5e8) elements of the
 gradient dtype at the first backward, whatever the model's size: 2 GB here in
 fp32, 1 GB in bf16 on a GPU. The planner does not count it (see
-``services/plan.py``), so ``measured`` is the peak with that one allocation,
+``deploy/plan.py``), so ``measured`` is the peak with that one allocation,
 found by its exact size read from the engine, taken out of the replay; the
 ``bucket`` column gives its size and ``peak`` the peak with it. On CPU only
 the pages a step writes are resident, so the bucket barely shows in RSS.
@@ -67,7 +67,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plan_vs_measured import preset_of  # noqa: E402
-from services.plan import plan  # noqa: E402
+from deploy.plan import plan  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = {  # hidden, layers, heads, kv heads, head dim, MLP
@@ -242,7 +242,7 @@ def main() -> None:
     print()
     print(table(rows))
     print(f"(CPU, fp32 learner, one rank; micro-batch {GROUP_SIZE} x {SEQ_LEN} tokens, {STEPS} steps; "
-          f"predicted = services/plan.py Plan.learner, dtype_bytes=4; "
+          f"predicted = deploy/plan.py Plan.learner, dtype_bytes=4; "
           f"measured = peak live tensor bytes without DeepSpeed's reduce bucket; {report['wall_s']} s)")
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/plan_vs_measured.py [bench/results/gpu-*.json ...]
 
 For each recorded run (model shape, micro-batch, ZeRO stage, one GPU) it
-builds the same architecture as a preset, asks ``services.plan`` for the
+builds the same architecture as a preset, asks ``deploy.plan`` for the
 learner's share (``Plan.learner``: weights + gradients + optimizer + the larger
 of the activations and the optimizer step's transients; the rollout
 engine and the runtime allowance are left out, since bench/gpu.py runs no
@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.plan import plan  # noqa: E402
-from services.presets import ModelPreset  # noqa: E402
+from deploy.plan import plan  # noqa: E402
+from deploy.presets import ModelPreset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
@@ -64,7 +64,7 @@ def main() -> None:
                   f"{r['measured_gb']:>11.1f} {r['predicted_gb'] / r['measured_gb']:>6.2f}")
     print(f"(hardware: {json.loads(files[0].read_text())['hardware'].get('gpu', 'cpu')}; "
           "predicted = Plan.learner: weights + gradients + optimizer + the larger of activations and "
-          "the optimizer step, from services/plan.py)")
+          "the optimizer step, from deploy/plan.py)")
 
 
 if __name__ == "__main__":

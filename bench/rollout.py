@@ -108,7 +108,7 @@ def start_server(model: Path, port: int, token: str, log: Path, redis_url: str, 
     }
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "rollout", "--model", str(model), "--port", str(port)],
+            [sys.executable, "-m", "deploy.cli", "serve", "rollout", "--model", str(model), "--port", str(port)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -180,8 +180,8 @@ def main() -> None:
 
     from broker.embedded import EmbeddedRedis
     from broker.processes import free_port, stop_group
+    from deploy.stack import wait_healthy
     from examples.tiny import char_tokenizer, parameter_count
-    from services.supervisor import wait_healthy
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-bench-rollout-"))
     model = work / "model"

@@ -3,7 +3,7 @@
     python bench/transfer.py --gb 16 --out transfer.json      # a GPU machine: a full 8B version in bf16
     python bench/transfer.py --gb 0.25 --out /tmp/t.json      # CPU: the same code, small
 
-A full-parameter Qwen3-8B version is 16.4 GB in bf16 (``services/presets.py``). On ``--gb`` of
+A full-parameter Qwen3-8B version is 16.4 GB in bf16 (``deploy/presets.py``). On ``--gb`` of
 bf16 tensors in 256 MB pieces (layer-sized) on the GPU (CPU without one), it times:
 
 1. ``d2h_pageable`` / ``d2h_pinned``: device-to-host copy into ordinary and into pinned memory
@@ -132,8 +132,8 @@ def http_stream(src: Path, dst: Path) -> tuple[str, float]:
 
 
 def lora_adapter_bytes(rank: int = 16) -> int:
-    from services.plan import lora_params
-    from services.presets import preset
+    from deploy.plan import lora_params
+    from deploy.presets import preset
 
     return int(lora_params(preset("Qwen3-8B-Base"), rank) * 2)
 

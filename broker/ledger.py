@@ -32,7 +32,7 @@ group gets at most one of each per stream, whatever is retried or
 redelivered, and a state change and its ledger entry are one atomic step:
 they survive, or are lost, together. The stream persists with Redis (its
 AOF); the learner exports it to ``ledger.jsonl`` in the run directory when
-the run ends, and :mod:`services.audit` checks either.
+the run ends, and :mod:`deploy.audit` checks either.
 """
 
 from __future__ import annotations

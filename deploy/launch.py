@@ -2,7 +2,7 @@
 
 A rollout container and a learner node run the very command a local
 operator types (``tandem serve rollout --config RUN.toml``;
-``torchrun ... -m services.cli serve learner --config RUN.toml``), so the CLI's
+``torchrun ... -m deploy.cli serve learner --config RUN.toml``), so the CLI's
 settings checks, auth check and config loading apply unchanged. The
 container owns that process: it starts it in its own process group and,
 when it exits, the container exits with its status, so Modal replaces the
@@ -38,13 +38,13 @@ def container_path(local: Path, repo_root: Path) -> PurePosixPath:
 
 def serve_argv(service: str, config: str | PurePosixPath) -> list[str]:
     """``tandem serve SERVICE --config CONFIG`` as this interpreter runs it (host, port: TANDEM_HOST/PORT)."""
-    return [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config)]
+    return [sys.executable, "-m", "deploy.cli", "serve", service, "--config", str(config)]
 
 
 def torchrun_argv(*, nodes: int, node_rank: int, master_addr: str | None, nproc_per_node: int,
                   config: str | PurePosixPath) -> list[str]:
-    """Every learner rank on this node: ``torchrun ... -m services.cli serve learner --config CONFIG``
-    (rank 0 serves HTTP; see ``services.cli.serve``). One node: no master address (torchrun's local default)."""
+    """Every learner rank on this node: ``torchrun ... -m deploy.cli serve learner --config CONFIG``
+    (rank 0 serves HTTP; see ``deploy.cli.serve``). One node: no master address (torchrun's local default)."""
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
             f"--nproc-per-node={nproc_per_node}", f"--node-rank={node_rank}"]
     if nodes > 1:

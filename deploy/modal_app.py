@@ -4,10 +4,10 @@ Who talks to whom (as in the local stack; ARCHITECTURE.md section 2):
 
 | function | Modal shape | runs |
 |---|---|---|
-| ``control`` | CPU, ``@modal.asgi_app`` | ``services.control.build_app`` (what ``tandem serve control`` serves) |
+| ``control`` | CPU, ``@modal.asgi_app`` | ``control_plane.build_app`` (what ``tandem serve control`` serves) |
 | ``reward`` | CPU, ``@modal.asgi_app`` | ``reward_server.build_app`` with ``TANDEM_REWARD_SANDBOX=modal`` |
 | ``Rollout.serve`` | GPU class, ``@modal.web_server`` | ``tandem serve rollout --config RUN.toml`` (vLLM + actor loop) |
-| ``learner`` | ``H100:8`` (× nodes, ``@modal.clustered``) | ``torchrun ... -m services.cli serve learner --config RUN.toml`` |
+| ``learner`` | ``H100:8`` (× nodes, ``@modal.clustered``) | ``torchrun ... -m deploy.cli serve learner --config RUN.toml`` |
 
 Every entrypoint only builds settings and calls the local path's ``build_app``
 or runs its ``tandem serve`` command line (``deploy.launch``); a unit test
@@ -75,7 +75,7 @@ from deploy.config import (
 from services.config import load_run_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("services", "broker", "rollout_server", "reward_server", "learner", "deploy")
+SOURCES = ("services", "control_plane", "broker", "rollout_server", "reward_server", "learner", "deploy")
 
 if modal.is_local():
     RUN_CONFIG = Path(os.environ.get("DEPLOY_RUN_CONFIG", REPO_ROOT / "examples" / "arith" / "run.toml"))
@@ -119,7 +119,7 @@ def _options(role: str) -> dict:
 
 def _settings(cls):
     """``cls`` from this container's environment, checked as ``tandem serve`` checks it."""
-    from services.cli import settings_classes
+    from deploy.cli import settings_classes
     from services.settings import check_environment
 
     check_environment(settings_classes().values())
@@ -133,7 +133,7 @@ def _settings(cls):
 @modal.asgi_app(label=f"{APP_NAME}-control")
 def control():
     """The control plane: REST API and dashboard."""
-    from services.control import build_app
+    from control_plane import build_app
     from services.settings import ControlSettings
 
     return build_app(_settings(ControlSettings), load_run_config(RUN_CONFIG))

@@ -3,7 +3,7 @@
 Rank 0 serves ``/healthz`` (503 once training failed), ``/metrics`` and
 ``GET /v1/status`` while the training loop runs in a background thread
 (DeepSpeed steps block; the HTTP event loop must not). Other ranks of a
-multi-rank job (``torchrun --nproc_per_node N -m services.cli serve learner``,
+multi-rank job (``torchrun --nproc_per_node N -m deploy.cli serve learner``,
 ``tandem up`` with ``TANDEM_STACK_LEARNER_RANKS=N``) run the loop in their
 main thread and serve nothing.
 

@@ -15,7 +15,7 @@ lone surrogate escape (``"\\ud800"``, not Unicode); the bytes are UTF-8.
 :class:`LineParser` can also cap the number of lines and the length of one.
 
 Both readers of prompt sets use this module: the control plane when a set
-is uploaded and a run starts (``services.control``), and the main job's
+is uploaded and a run starts (``control_plane``), and the main job's
 held-out evaluation (``services.evaluate``). When ``reward.format_weight >
 0`` every spec ``S`` becomes ``combined(1.0 x S, format_weight x
 regex(<answer>...</answer>))``.

@@ -6,7 +6,7 @@ One class per process, each reading its own environment variables:
 |---|---|---|
 | :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``TANDEM_ALLOWED_HOSTS``, ``REDIS_URL`` |
 | :class:`WorkerSettings` | what a rollout server and the learner share | ``TANDEM_RUN_ID``, ``TANDEM_SERVER_ID`` |
-| :class:`ControlSettings` | control plane (``services.control``) | ``TANDEM_CONTROL_*`` |
+| :class:`ControlSettings` | control plane (``control_plane``) | ``TANDEM_CONTROL_*`` |
 | ``RolloutSettings`` | rollout server (``rollout_server.settings``) | ``TANDEM_ROLLOUT_*`` |
 | ``RewardSettings`` | reward server (``reward_server.settings``) | ``TANDEM_REWARD_*`` |
 | ``LearnerSettings`` | learner (``learner.settings``) | ``TANDEM_LEARNER_*`` |

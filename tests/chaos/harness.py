@@ -156,7 +156,7 @@ class ChaosStack:
 
     def start(self, timeout_s: float = 900) -> None:
         self.up = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--config", str(self.config_path), "--run-dir", str(self.dir)],
+            [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.config_path), "--run-dir", str(self.dir)],
             env=self.env, stdout=open(self.tmp / "up.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout_s
@@ -199,7 +199,7 @@ class ChaosStack:
 
     def submit(self) -> str:
         done = subprocess.run(
-            [sys.executable, "-m", "services.cli", "submit", str(self.config.data.train), "--config",
+            [sys.executable, "-m", "deploy.cli", "submit", str(self.config.data.train), "--config",
              str(self.config_path), "--url", self.urls["control"]],
             env={**self.env, "TANDEM_TOKEN": self.token}, capture_output=True, text=True, timeout=120,
         )
@@ -295,7 +295,7 @@ def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env
         if final.run.state == "finished":
             asyncio.run(stack.serve_final(run_id))
             report.accuracy_after = asyncio.run(stack.eval_accuracy())
-        audited = subprocess.run([sys.executable, "-m", "services.cli", "audit", str(stack.dir), "--json"],
+        audited = subprocess.run([sys.executable, "-m", "deploy.cli", "audit", str(stack.dir), "--json"],
                                  env=stack.env, capture_output=True, text=True, timeout=120)
         report.audit_exit = audited.returncode
         report.audit = json.loads(audited.stdout) if audited.stdout.strip().startswith("{") else {"error": audited.stderr}

@@ -119,7 +119,7 @@ def test_compose_cpu_profile_trains_and_down_leaves_nothing(images, tmp_path):
     env.update(COMPOSE_PROJECT_NAME=project, COMPOSE_FILE=COMPOSE_FILE, CONTROL_PORT=str(port),
                TANDEM_TOKEN=token, TANDEM_REWARD_TOKEN=secrets.token_hex(32), REDIS_PASSWORD=secrets.token_hex(32))
     url = f"http://127.0.0.1:{port}"
-    cli = [sys.executable, "-m", "services.cli"]
+    cli = [sys.executable, "-m", "deploy.cli"]
     # the client's environment: its token, none of the compose file's other secrets (the CLI refuses
     # TANDEM_* variables that are no setting, such as TANDEM_REWARD_TOKEN)
     client_env = {k: v for k, v in env.items() if k != "TANDEM_REWARD_TOKEN"}

@@ -37,8 +37,8 @@ import pytest
 from broker import Keys, connect
 from broker.ledger import Ledger
 from broker.processes import group_members
+from deploy.audit import audit_file
 from services import wire
-from services.audit import audit_file
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
 from services.evaluate import evaluate, load_eval_set
@@ -54,7 +54,7 @@ ACTIVITY = {"admitted", "generated", "handed", "trained", "published", "loaded",
 
 def _submit(cfg_path: Path, url: str, env: dict[str, str]) -> str:
     train = load_run_config(cfg_path).data.train
-    done = subprocess.run([sys.executable, "-m", "services.cli", "submit", str(train), "--config", str(cfg_path),
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "submit", str(train), "--config", str(cfg_path),
                            "--url", url], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
@@ -140,7 +140,7 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     stack_dir = tmp_path / "stack"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(cfg_path), "--run-dir", str(stack_dir)],
+        [sys.executable, "-m", "deploy.cli", "up", "--config", str(cfg_path), "--run-dir", str(stack_dir)],
         env=env, stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     info_file = stack_dir / "stack.json"

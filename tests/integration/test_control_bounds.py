@@ -23,9 +23,9 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from control_plane.prompt_sets import PromptSetStore, StoredLines
 from services.app import ServiceError
 from services.config import MAX_EPOCHS, ConfigError, parse_run_config
-from services.control.prompt_sets import PromptSetStore, StoredLines
 from services.settings import ControlSettings
 from services.wire import MAX_COMBINED_DEPTH, MAX_COMBINED_LEAVES, CombinedSpec
 from tests.fixtures.control import ARITH_LINES, TOKEN, control_settings, run_config
@@ -313,7 +313,7 @@ async def test_health_answers_during_a_max_size_upload(big_control):
 
 
 async def test_upload_caps_hold_over_http(control_db_url, control_redis, tmp_path):
-    from services.control import build_app
+    from control_plane import build_app
 
     settings = control_settings(control_db_url, tmp_path, max_prompt_set_lines=3, max_stored_prompt_set_bytes=4096)
     app = build_app(settings)

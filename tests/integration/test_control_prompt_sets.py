@@ -211,7 +211,7 @@ async def test_stored_prompt_sets_and_runs_survive_a_redis_crash(tmp_path):
     import httpx
 
     from broker.embedded import EmbeddedRedis
-    from services.control import build_app
+    from control_plane import build_app
     from tests.fixtures.control import control_settings, run_config
 
     async def client_of(url):

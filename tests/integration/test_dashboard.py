@@ -28,7 +28,7 @@ import pytest
 from starlette.responses import PlainTextResponse
 
 from broker import Keys
-from services.control.dashboard import CSP, STATIC
+from control_plane.dashboard import CSP, STATIC
 from services.evaluate import EvalLog, EvalResult
 from services.runs import CHARTS, METRICS, MetricsLog, RunStore
 from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config

@@ -46,7 +46,7 @@ def serve(name: str, port: int, run_dir: Path, log: Path, model: Path | None = N
     env.update(TANDEM_RUN_DIR=str(run_dir), TANDEM_ROLLOUT_KV_CACHE_GIB="0.25", OMP_NUM_THREADS="1")
     args = ["--model", str(model)] if model is not None else []
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", name, "--port", str(port), *args],
+        [sys.executable, "-m", "deploy.cli", "serve", name, "--port", str(port), *args],
         cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,  # noqa: SIM115
     )
 

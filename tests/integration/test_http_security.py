@@ -39,7 +39,7 @@ EVIL = "rebind.evil.example"
 def serve_open_control(control_db_url, control_redis, tmp_path):
     """``async with serve_open_control(**settings) as url``: a control plane with auth off on 127.0.0.1."""
     from broker.processes import free_port
-    from services.control import build_app
+    from control_plane import build_app
     from services.settings import ControlSettings
 
     @contextlib.asynccontextmanager
@@ -79,7 +79,7 @@ def test_an_empty_or_short_token_stops_tandem_serve(token, host, control_db_url,
 
     env = {**os.environ, "TANDEM_TOKEN": token, "REDIS_URL": control_db_url, "TANDEM_RUN_DIR": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "control", "--host", host, "--port", str(free_port())],
+        [sys.executable, "-m", "deploy.cli", "serve", "control", "--host", host, "--port", str(free_port())],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode != 0, proc.stdout + proc.stderr

@@ -21,7 +21,7 @@ import pytest
 
 from broker.embedded import EmbeddedRedis
 from broker.processes import free_port, stop_group
-from services.supervisor import wait_healthy
+from deploy.stack import wait_healthy
 
 TOKEN = "learner-auth-token-" + "x" * 16
 READ_TOKEN = "learner-read-token-" + "y" * 16
@@ -39,7 +39,7 @@ def learner(tmp_path_factory):
                TANDEM_LOG_LEVEL="warning")
     log = tmp / "learner.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "learner"], cwd=REPO, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "learner"], cwd=REPO, env=env,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"

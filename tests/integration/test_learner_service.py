@@ -170,7 +170,7 @@ async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_pro
     for g in kept + all_groups + [queued]:
         assert await done.is_done(g)
     # the ledger, exported when the run finished, audits clean: each group trained once, in the kept lineage
-    from services.audit import audit_file
+    from deploy.audit import audit_file
 
     verdict = audit_file(run_dir / keys.run_id)
     assert verdict.ok, verdict.violations
@@ -271,7 +271,7 @@ async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
     record = await store.get("stack-2")
     assert record.state == "stopped" and record.step == st["step"]
     # each run's ledger was closed with its reason and exported
-    from services.audit import audit_file
+    from deploy.audit import audit_file
 
     for run_id, reason in (("stack-1", "run_finished"), ("stack-2", "run_stopped")):
         closed = [x for x in read_jsonl(tmp_path / "runs" / run_id / "ledger.jsonl") if x["e"] == "closed"]

@@ -11,8 +11,8 @@ from collections import Counter
 
 from broker import Admission, Envelope, Stream, WeightRegistry, WeightVersion
 from broker.ledger import Ledger, read_file
+from deploy.audit import audit, audit_file
 from learner.trainer import close_run
-from services.audit import audit, audit_file
 
 SHA = "ab" * 32
 

@@ -78,7 +78,7 @@ async def test_control_plane_bounds_its_redis_connections_and_answers_503_withou
     Redis gone the control plane answers 503 with Retry-After, not 500."""
     from broker.embedded import EmbeddedRedis
     from broker.processes import stop_groups
-    from services.control.app import REDIS_CONNECTIONS
+    from control_plane.app import REDIS_CONNECTIONS
 
     load = _bench()
     redis = EmbeddedRedis(tmp_path / "redis").start()
@@ -112,7 +112,7 @@ async def test_control_plane_bounds_its_redis_connections_and_answers_503_withou
 async def test_uploads_beyond_max_uploads_get_429_with_retry_after(control):
     """MAX_UPLOADS uploads held open; one more is refused at once (429, Retry-After); the held ones
     then finish and are stored."""
-    from services.control.prompt_sets import MAX_UPLOADS
+    from control_plane.prompt_sets import MAX_UPLOADS
 
     load = _bench()
     release = asyncio.Event()

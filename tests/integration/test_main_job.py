@@ -43,7 +43,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _tandem_run(config: Path, runs: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "run", str(config), "--runs", str(runs)],
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(config), "--runs", str(runs)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
 
 
@@ -128,7 +128,7 @@ def test_a_service_that_cannot_start_fails_the_run_and_leaves_no_process(tmp_pat
     config_path = short_run_config(tmp_path, arith_model, steps=2, checkpoint_every=1)
     # the control plane refuses its own settings and exits while vLLM and DeepSpeed are still starting
     env = _env(TANDEM_CONTROL_MAX_PROMPT_SET_LINES="0", TANDEM_STACK_STOP_GRACE_S="2")
-    job = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config_path), "--runs",
+    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config_path), "--runs",
                             str(tmp_path / "runs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     out, err = job.communicate(timeout=300)

@@ -1,6 +1,6 @@
 """Each model preset's architecture class trains and serves: Qwen3 dense, Qwen3-MoE, OLMo-3.
 
-The presets (``services/presets.py``, ``examples/presets/*.toml``) are too
+The presets (``deploy/presets.py``, ``examples/presets/*.toml``) are too
 big for this machine, so each class is exercised on a tiny random model of
 it (``examples.tiny.tiny_qwen3``, ``tests.fixtures.rollout.tiny_arch``):
 

@@ -25,8 +25,8 @@ import redis as redis_sync
 from broker import Envelope, Keys, Stream, connect
 from broker.embedded import EmbeddedRedis, check_version, server_version
 from broker.processes import die_with_parent, free_port, stop_group
+from deploy.stack import Stack
 from services.settings import StackSettings
-from services.supervisor import Stack
 
 TOKEN = "stack-token-" + "x" * 24
 ROOT = Path(__file__).resolve().parents[2]

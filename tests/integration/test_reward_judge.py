@@ -228,13 +228,13 @@ async def test_endless_and_dripping_replies_are_cut_off(reward_app):
 @pytest.fixture(scope="module")
 def reward_process(tmp_path_factory):
     from broker.processes import free_port, stop_group
-    from services.supervisor import wait_healthy
+    from deploy.stack import wait_healthy
 
     port, log = free_port(), tmp_path_factory.mktemp("reward-regex") / "reward.log"
     env = {**os.environ, "TANDEM_TOKEN": REWARD_TOKEN, "TANDEM_REWARD_SANDBOX": "none", "TANDEM_LOG_LEVEL": "warning",
            "PYTHONPATH": str(REPO)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "reward", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "reward", "--port", str(port)],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"

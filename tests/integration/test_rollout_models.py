@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from broker.processes import free_port, stop_group
-from services.supervisor import wait_healthy
+from deploy.stack import wait_healthy
 from tests.fixtures.rollout import TOKEN, tiny_arch
 from tests.integration.test_rollout_logprobs_modes import (
     TRUNCATED,
@@ -43,7 +43,7 @@ async def test_architecture_serves_with_logprobs_matching_hf(kind, tmp_path):
            "TANDEM_ROLLOUT_LOGPROBS_MODE": mode}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "rollout", "--model", str(model), "--port", str(port)],
+            [sys.executable, "-m", "deploy.cli", "serve", "rollout", "--model", str(model), "--port", str(port)],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

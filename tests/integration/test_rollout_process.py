@@ -17,8 +17,8 @@ import pytest
 
 from broker import Envelope, Stream
 from broker.processes import free_port, stop_group
+from deploy.stack import wait_healthy
 from services import wire
-from services.supervisor import wait_healthy
 from tests.fixtures.rollout import TOKEN
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ max_staleness = 1
     log = tmp_path / "server.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", "rollout", "--config", str(run_toml), "--port", str(port)],
+            [sys.executable, "-m", "deploy.cli", "serve", "rollout", "--config", str(run_toml), "--port", str(port)],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _up(run_dir: Path, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--only", "control", "--run-dir", str(run_dir)],
+    return subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--only", "control", "--run-dir", str(run_dir)],
                             cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
 

@@ -1,7 +1,7 @@
 """The stack starts its services at once, and one that fails to start stops the whole stack.
 
 Real services (reward server, control plane) and a real embedded Redis, under
-:class:`services.supervisor.Stack` as ``tandem up`` runs it; the two are the
+:class:`deploy.stack.Stack` as ``tandem up`` runs it; the two are the
 quickest to start, which keeps the test short.
 """
 
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from deploy.stack import Stack, StackError
 from services.settings import StackSettings
-from services.supervisor import Stack, StackError
 
 
 @pytest.fixture

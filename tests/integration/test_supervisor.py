@@ -1,4 +1,4 @@
-"""The supervisor restarts a crashed service with growing delays, then gives up (services/supervisor.py).
+"""The supervisor restarts a crashed service with growing delays, then gives up (deploy/stack.py).
 
 A real ``tandem up --only reward`` (embedded Redis and the reward server, the
 quickest service to start) with ``TANDEM_STACK_MAX_RESTARTS=2``: the reward
@@ -61,7 +61,7 @@ def test_a_killed_service_is_restarted_with_back_off_until_max_restarts(tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     env["TANDEM_STACK_MAX_RESTARTS"] = "2"
     stack_dir, log = tmp_path / "stack", tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--only", "reward", "--run-dir", str(stack_dir)],
+    up = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--only", "reward", "--run-dir", str(stack_dir)],
                           cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait(lambda: (stack_dir / "stack.json").exists(), 120, "the stack", up, log)

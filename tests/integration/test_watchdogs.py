@@ -35,10 +35,10 @@ import pytest
 
 from broker import Keys
 from broker.processes import free_port, stop_group
+from deploy.stack import wait_healthy
 from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import WatchdogConfig
-from services.supervisor import wait_healthy
 from services.watchdog import IncidentLog, Stalled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def reward_process(tmp_path):
     env = {**os.environ, "TANDEM_TOKEN": TOKEN, "TANDEM_REWARD_SANDBOX": "none", "TANDEM_REWARD_WORKERS": "1",
            "TANDEM_LOG_LEVEL": "warning"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "reward", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "reward", "--port", str(port)],
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", 90, log)
@@ -332,7 +332,7 @@ async def test_incidents_show_in_run_status_and_tandem_status(serve_control, con
         assert len(status.incidents) == 20 and status.incidents[0].source == "rollout:r1"
         env = {**os.environ, "TANDEM_TOKEN": CONTROL_TOKEN, "COLUMNS": "250"}
         cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.cli", "status", "wd-run", "--url", url, cwd=REPO, env=env,
+            sys.executable, "-m", "deploy.cli", "status", "wd-run", "--url", url, cwd=REPO, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         out = (await asyncio.wait_for(cli.communicate(), 60))[0].decode()

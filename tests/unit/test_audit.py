@@ -1,4 +1,4 @@
-"""services.audit on hand-written ledgers: a clean run passes, and each kind of violation is caught."""
+"""deploy.audit on hand-written ledgers: a clean run passes, and each kind of violation is caught."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from services.audit import audit, audit_file, find_ledger
+from deploy.audit import audit, audit_file, find_ledger
 
 SHA = {v: f"{v:x}" * 64 for v in range(1, 10)}
 

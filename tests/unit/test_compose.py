@@ -27,8 +27,8 @@ import redis as redis_sync
 import typer.main
 import yaml
 
-from services.cli import SERVICE_PACKAGES, ServiceName, settings_classes
-from services.cli import app as cli_app
+from deploy.cli import SERVICE_PACKAGES, ServiceName, settings_classes
+from deploy.cli import app as cli_app
 from services.settings import env_names
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from control_plane.groups import build_groups, epoch_order
 from services.config import parse_run_config
-from services.control.groups import build_groups, epoch_order
 from services.promptsets import ANSWER_TAG, MAX_ERRORS, LineError, LineParser
 
 LINES = [{"prompt": f"{i}+1=", "type": "exact", "answer": str(i + 1)} for i in range(10)]
@@ -123,7 +123,7 @@ def test_untyped_lines_take_the_config_type_and_extract():
 
 def test_control_plane_and_run_registry_import_light():
     code = (
-        "import sys, services.control, services.control.app, services.runs\n"
+        "import sys, control_plane, control_plane.app, services.runs\n"
         "heavy = [m for m in ('torch', 'vllm', 'deepspeed', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from deploy.main_job import _progress_note
+from deploy.report import status_table
 from services import wire
 from services.config import EvalConfig
 from services.evaluate import due
-from services.report import status_table
-from services.run_job import _progress_note
 
 
 def _status(point: wire.EvalPoint | None) -> wire.RunStatus:

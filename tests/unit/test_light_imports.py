@@ -10,7 +10,7 @@ HEAVY = ("torch", "vllm", "deepspeed", "transformers")
 
 def test_light_modules_import_without_heavy_packages():
     code = (
-        "import sys, services.cli, services.config, services.wire, services.settings, services.app, "
+        "import sys, deploy.cli, services.config, services.wire, services.settings, services.app, "
         "services.clients, broker, broker.embedded\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "assert not heavy, heavy\n"
@@ -20,7 +20,7 @@ def test_light_modules_import_without_heavy_packages():
 
 def test_cli_help_answers():
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, timeout=60, check=True
     )
     for command in ("serve", "up", "run", "submit", "status"):
         assert command in out.stdout

@@ -223,8 +223,8 @@ def test_image_pins_match_pyproject():
 # --- every entrypoint runs only what `tandem serve` runs -------------------------------------
 
 ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_settings"]
-SERVICE_MODULES = {"services.control", "reward_server", "rollout_server", "learner"}
-"""The packages whose ``build_app`` / ``serve`` ``tandem serve`` calls (services.cli.SERVICE_PACKAGES)."""
+SERVICE_MODULES = {"control_plane", "reward_server", "rollout_server", "learner"}
+"""The packages whose ``build_app`` / ``serve`` ``tandem serve`` calls (deploy.cli.SERVICE_PACKAGES)."""
 GLUE = {
     # the `tandem serve` command line (tests below parse it with the real CLI), run by the container
     "launch.serve_argv", "launch.torchrun_argv", "launch.start", "launch.run",
@@ -273,13 +273,13 @@ def _allowed(name: str, serve_path: set[str]) -> bool:
 
 
 def _cli_serve_path() -> set[str]:
-    """Names ``tandem serve`` calls (last parts): services/cli.py's ``serve`` and ``_settings``."""
-    cli = _functions(ast.parse((ROOT / "services" / "cli.py").read_text()))
+    """Names ``tandem serve`` calls (last parts): deploy/cli.py's ``serve`` and ``_settings``."""
+    cli = _functions(ast.parse((ROOT / "deploy" / "cli.py").read_text()))
     return {n.rsplit(".", 1)[-1] for n in _called(cli["serve"]) | _called(cli["_settings"])}
 
 
 def test_entrypoints_call_only_what_tandem_serve_calls():
-    from services.cli import SERVICE_PACKAGES, settings_classes
+    from deploy.cli import SERVICE_PACKAGES, settings_classes
 
     assert set(SERVICE_PACKAGES.values()) <= SERVICE_MODULES
     serve_path = (_cli_serve_path() | {"build_app"} | {c.__name__ for c in settings_classes().values()}
@@ -292,7 +292,7 @@ def test_entrypoints_call_only_what_tandem_serve_calls():
         for node in ast.walk(functions[name]):
             assert not isinstance(node, ast.Import), f"{name}: import only service entries (from X import Y)"
             if isinstance(node, ast.ImportFrom):
-                assert node.module in SERVICE_MODULES | {"services.settings", "services.cli",
+                assert node.module in SERVICE_MODULES | {"services.settings", "deploy.cli",
                                                          "reward_server.settings"}, (name, node.module)
                 if node.module in SERVICE_MODULES:
                     assert [a.name for a in node.names] == ["build_app"], (name, node.module)
@@ -307,8 +307,8 @@ def test_the_allow_list_refuses_a_call_outside_the_serve_path():
 
 
 def _serve_context(argv: list[str]) -> click.Context:
-    """Parse ``argv`` (after ``-m services.cli``) with the real CLI, without running it."""
-    from services.cli import app as cli
+    """Parse ``argv`` (after ``-m deploy.cli``) with the real CLI, without running it."""
+    from deploy.cli import app as cli
 
     group = typer.main.get_command(cli)
     assert argv[0] == "serve"
@@ -317,7 +317,7 @@ def _serve_context(argv: list[str]) -> click.Context:
 
 def test_rollout_runs_the_tandem_serve_command_line():
     argv = launch.serve_argv("rollout", PurePosixPath("/examples/arith/run.toml"))
-    assert argv[:3] == [sys.executable, "-m", "services.cli"]
+    assert argv[:3] == [sys.executable, "-m", "deploy.cli"]
     params = _serve_context(argv[3:]).params
     assert params["name"].value == "rollout" and params["config"] == Path("/examples/arith/run.toml")
 
@@ -332,7 +332,7 @@ def test_learner_runs_torchrun_over_the_tandem_serve_command_line():
         args = get_args_parser().parse_args(argv[3:])
         assert (args.nnodes, args.nproc_per_node, args.node_rank) == (str(nodes), "8", rank)
         assert args.master_addr == (master or "127.0.0.1")
-        assert args.module and args.training_script == "services.cli"
+        assert args.module and args.training_script == "deploy.cli"
         params = _serve_context(args.training_script_args).params
         assert params["name"].value == "learner" and params["config"] == Path("/examples/arith/run.toml")
     with pytest.raises(ValueError, match="rank 0"):
@@ -367,7 +367,7 @@ def test_tandem_deploy_modal_runs_modal_deploy_on_the_app_with_the_run_config(tm
 
     from typer.testing import CliRunner
 
-    from services.cli import app as cli
+    from deploy.cli import app as cli
 
     config = ROOT / "examples/arith/run.toml"  # the app ships the config's folder: it lives in the repository
     out = CliRunner().invoke(cli, ["deploy", "modal", "--config", str(config), "--dry-run"])

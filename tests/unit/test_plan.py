@@ -26,9 +26,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.plan import Mode, parse_gpus, plan, smallest_fit
-from services.presets import PRESETS, preset
+from deploy.cli import app
+from deploy.plan import Mode, parse_gpus, plan, smallest_fit
+from deploy.presets import PRESETS, preset
 
 
 def fits(model: str, mode: str, gpus: str, offload: bool = False) -> bool:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.plan import plan
-from services.presets import preset
+from deploy.plan import plan
+from deploy.presets import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = sorted((ROOT / "bench/results").glob("gpu-*.json"))

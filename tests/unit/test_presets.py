@@ -1,7 +1,7 @@
 """``examples/presets/*.toml``: one run config per model preset and mode, valid and sized by the planner.
 
 Each file names its model by ``model.path``'s directory (a preset of
-``services/presets.py``) and notes, in a ``#   tandem plan ...`` comment, the
+``deploy/presets.py``) and notes, in a ``#   tandem plan ...`` comment, the
 planner's smallest fitting GPU configuration. The checks: the file loads with
 ``load_run_config``; its file name is ``<preset>-<mode>.toml``; every setting
 the planner depends on (mode, ZeRO stage, offload, checkpointing, G, max
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from services import plan as planner
+from deploy import plan as planner
+from deploy.presets import PRESETS, preset
 from services.config import load_run_config
-from services.presets import PRESETS, preset
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "examples" / "presets"
 FILES = sorted(PRESET_DIR.glob("*.toml"))

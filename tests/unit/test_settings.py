@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app, settings_classes
+from deploy.cli import app, settings_classes
 from services.settings import PREFIX, SettingsError, check_environment, env_names
 
 CLASSES = settings_classes()

@@ -1,7 +1,7 @@
 """The prompt groups a run trains on: prompt-set lines x epochs, enqueued at run start.
 
 Who talks to whom: ``POST /v1/runs`` turns the stored prompt-set lines
-(``services.control.prompt_sets``) into :class:`services.wire.PromptGroup`
+(``control_plane.prompt_sets``) into :class:`services.wire.PromptGroup`
 entries here and appends them to the run's ``prompts`` stream, which rollout
 servers read under admission control. The learner's consumer group on the
 ``trajectories`` stream is created at the same time, so nothing a rollout

@@ -13,8 +13,8 @@ from services.settings import ControlSettings
 
 
 def build_app(settings: ControlSettings, config: RunConfig | None = None):
-    """The control plane's FastAPI app (see ``services.control.app.build_app``)."""
-    from services.control.app import build_app as _build
+    """The control plane's FastAPI app (see ``control_plane.app.build_app``)."""
+    from control_plane.app import build_app as _build
 
     return _build(settings, config)
 

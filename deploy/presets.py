@@ -1,6 +1,6 @@
 """Architecture facts of the six base models tandem plans for.
 
-Pure data: the memory planner (``services/plan.py``) and the CLI read these;
+Pure data: the memory planner (``deploy/plan.py``) and the CLI read these;
 nothing here imports torch or transformers, and nothing downloads a config.
 
 Sources are those of ``MODAL-NOTES.md`` section 8: torchtitan's Qwen3 configs

@@ -4,7 +4,7 @@ Who talks to whom: a client (``tandem submit``, curl) uploads a file to the
 control plane's ``POST /v1/prompt-sets``; the route hands the body, as it
 streams in, to :meth:`PromptSetStore.upload`, which parses it in a worker
 thread and writes it to Redis (AOF). ``POST /v1/runs`` reads the lines back
-(``services.control.groups``).
+(``control_plane.groups``).
 
 The line format and its validation are ``services.promptsets``. Prompt-set
 ids are content hashes, so uploading the same file twice stores it once.

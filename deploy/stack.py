@@ -163,7 +163,7 @@ class Stack:
                 if kind == "learner" and self.settings.learner_ranks > 1:
                     launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node",
                                 str(self.settings.learner_ranks), "--master_port", str(free_port()), "-m"]
-                args = [*launcher, "services.cli", "serve", kind, "--port", str(ports[name])]
+                args = [*launcher, "deploy.cli", "serve", kind, "--port", str(ports[name])]
                 if self.config is not None:
                     args += ["--config", str(self.config)]
                 own_env = {k: v for k, v in env.items() if k != "REDIS_URL"} if kind in _RUNS_SANDBOXES else env

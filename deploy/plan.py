@@ -1,6 +1,6 @@
 """A memory planner: does a GRPO run of this model fit on these GPUs?
 
-Pure arithmetic over ``services/presets.py``; no torch. ``tandem plan`` prints
+Pure arithmetic over ``deploy/presets.py``; no torch. ``tandem plan`` prints
 it. Figures are per GPU, in GB (1e9 bytes), against the nominal memory Modal
 quotes for the GPU type; a plan fits when its total is at most
 ``HEADROOM`` (0.9) of that, the rest left to fragmentation and allocator
@@ -77,7 +77,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
-from services.presets import ModelPreset
+from deploy.presets import ModelPreset
 
 GB = 1e9
 HEADROOM = 0.9

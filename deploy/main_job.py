@@ -1,7 +1,7 @@
 """``tandem run CONFIG``: the main job, end to end on one machine.
 
 1. Bootstrap the example model if the config asks for it and it is missing.
-2. Start the local stack (:class:`services.supervisor.Stack`): embedded
+2. Start the local stack (:class:`deploy.stack.Stack`): embedded
    Redis, reward server, control plane, rollout server, learner.
 3. Upload the training and held-out prompt sets and start the run on the
    control plane; follow it with a progress bar (step, reward, lag, the
@@ -12,7 +12,7 @@
    rollout server already did); every sample must come from that version.
 5. Write ``summary.json`` and the report plots, stop the stack, move its
    directory to ``runs/<run_id>/`` and print that path as the last line.
-6. Audit the run's ledger (:mod:`services.audit`, as ``tandem audit``) and
+6. Audit the run's ledger (:mod:`deploy.audit`, as ``tandem audit``) and
    put the verdict in ``summary.json`` as ``audit``.
 
 Exit code 0 only when every step succeeded and the audit passed.
@@ -30,15 +30,15 @@ import httpx
 from rich.console import Console
 
 from broker import Keys, WeightRegistry, connect
+from deploy.audit import audit_file
+from deploy.progress import progress_bar
+from deploy.report import write_plots, write_summary
+from deploy.stack import Stack
 from services import wire
-from services.audit import audit_file
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import RunConfig
 from services.evaluate import RUN_JOB, EvalLog, evaluate
-from services.progress import progress_bar
-from services.report import write_plots, write_summary
 from services.settings import StackSettings
-from services.supervisor import Stack
 
 
 class JobError(RuntimeError):

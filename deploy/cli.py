@@ -31,7 +31,7 @@ class ServiceName(StrEnum):
 
 
 SERVICE_PACKAGES = {
-    ServiceName.control: "services.control",
+    ServiceName.control: "control_plane",
     ServiceName.rollout: "rollout_server",
     ServiceName.reward: "reward_server",
     ServiceName.learner: "learner",
@@ -86,7 +86,7 @@ def serve(
     """Run one service in the foreground (docker-compose and Modal use this).
 
     Every rank of a multi-rank learner runs this too:
-    ``torchrun --nproc_per_node N -m services.cli serve learner --config RUN.toml`` (rank 0 serves HTTP).
+    ``torchrun --nproc_per_node N -m deploy.cli serve learner --config RUN.toml`` (rank 0 serves HTTP).
     """
     from services.config import ConfigError, load_run_config
 
@@ -127,9 +127,9 @@ def run(
     runs_root: Annotated[Path, typer.Option("--runs", help="Where run directories go.")] = Path("runs"),
 ) -> None:
     """The main job: start the stack, evaluate, train with GRPO, evaluate, write a report, stop."""
+    from deploy.main_job import JobError, run_job
+    from deploy.stack import StackError
     from services.config import ConfigError, load_run_config
-    from services.run_job import JobError, run_job
-    from services.supervisor import StackError
 
     try:
         run_config = load_run_config(config)
@@ -150,8 +150,8 @@ def bootstrap_model(
     seed: Annotated[int, typer.Option(help="Seed (the build is deterministic).")] = 0,
 ) -> None:
     """Build the small example policy offline (random Qwen3 + a short supervised cold start)."""
+    from deploy.progress import progress_bar
     from examples.arith.bootstrap import SFT_STEPS, bootstrap
-    from services.progress import progress_bar
 
     if not data.exists():
         _fail(f"{data}: no such prompt set")
@@ -171,7 +171,7 @@ def up(
     import os
     import signal
 
-    from services.supervisor import SERVICES, Stack, StackError
+    from deploy.stack import SERVICES, Stack, StackError
 
     services = tuple(s.strip() for s in only.split(",")) if only else SERVICES
     unknown = set(services) - set(SERVICES)
@@ -275,7 +275,7 @@ def status(
     from rich.console import Console
     from rich.live import Live
 
-    from services.report import runs_table, status_table
+    from deploy.report import runs_table, status_table
     from services.wire import TERMINAL_STATES
 
     async def fetch():
@@ -324,8 +324,8 @@ def audit(
     import asyncio
     import json
 
-    from services.audit import audit as check
-    from services.audit import audit_file
+    from deploy.audit import audit as check
+    from deploy.audit import audit_file
 
     path = Path(target)
     if path.exists():
@@ -408,8 +408,8 @@ def plan(
     """Estimate per-GPU memory of a GRPO run; exit 0 if it fits, 2 if not (1 on bad input)."""
     import json
 
-    from services import plan as planner
-    from services.presets import preset
+    from deploy import plan as planner
+    from deploy.presets import preset
 
     try:
         p = preset(model)

@@ -10,7 +10,7 @@ status, metrics and dashboard routes read back.
 Errors map to statuses in one place (:func:`_errors`): unknown prompt set
 (``prompt_set_id`` or ``eval_prompt_set_id``, named in the message) or run 404, a second active run or an impossible transition 409, bad input 422
 (naming the line or field), uploads over ``max_prompt_set_bytes`` 413, and
-past ``max_stored_prompt_set_bytes`` for all sets together 507 (``services.control.prompt_sets``),
+past ``max_stored_prompt_set_bytes`` for all sets together 507 (``control_plane.prompt_sets``),
 more than ``MAX_UPLOADS`` uploads at once 429 with ``Retry-After``.
 
 Under load: the control plane holds at most :data:`REDIS_CONNECTIONS` Redis
@@ -35,11 +35,11 @@ from redis.exceptions import RedisError
 
 from broker import Admission, Keys, Stream, WeightRegistry, connect
 from broker.embedded import EmbeddedRedis
+from control_plane.dashboard import router as dashboard_router
+from control_plane.groups import build_groups, enqueue
+from control_plane.prompt_sets import PromptSetStore
 from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
-from services.control.dashboard import router as dashboard_router
-from services.control.groups import build_groups, enqueue
-from services.control.prompt_sets import PromptSetStore
 from services.evaluate import EvalLog, eval_prompts
 from services.promptsets import LineError
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
