@@ -14,8 +14,10 @@ EXTRAS := cpu,learner,reward,report,modal
 
 # make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
-SLOW_FILES := test_rollout_server test_rollout_actor test_rollout_process test_rollout_models test_rollout_logprobs_modes \
-	test_learner_engine test_learner_service test_learner_vllm test_dashboard test_bench_gpu test_volume_sync
+# SLOW_FILES are under tests/integration/ (tests/<unit|integration>/<package>/test_<behaviour>.py).
+SLOW_FILES := rollout_server/test_http rollout_server/test_actor rollout_server/test_process rollout_server/test_models \
+	rollout_server/test_logprobs_modes learner/test_engine learner/test_service learner/test_publish_to_vllm \
+	control_plane/test_dashboard bench/test_gpu learner/test_volume_sync
 FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
 
 .PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation

@@ -39,7 +39,7 @@ service must still answer ``/healthz`` 200 (Redis: PING).
 
     python bench/load.py [--quick] [--out bench/results/load.json]
 
-``tests/integration/test_load.py`` runs a short version of the same code.
+``tests/integration/bench/test_load.py`` runs a short version of the same code.
 """
 
 from __future__ import annotations

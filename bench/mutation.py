@@ -51,12 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "mutation.json"
 
 TESTS = {
-    "broker/admission.py": ["tests/integration/test_broker_admission.py", "tests/integration/test_broker_mutants.py"],
-    "broker/streams.py": ["tests/integration/test_broker_streams.py", "tests/integration/test_broker_mutants.py"],
-    "learner/loss.py": ["tests/unit/test_loss.py", "tests/unit/test_loss_mutants.py"],
-    "learner/feeder.py": ["tests/integration/test_learner_feeder.py"],
-    "learner/advantages.py": ["tests/unit/test_loss.py", "tests/unit/test_learner_batch.py",
-                              "tests/unit/test_advantages_mutants.py"],
+    "broker/admission.py": ["tests/integration/broker/test_admission.py"],
+    "broker/streams.py": ["tests/integration/broker/test_streams.py"],
+    "learner/loss.py": ["tests/unit/learner/test_loss.py"],
+    "learner/feeder.py": ["tests/integration/learner/test_feeder.py"],
+    "learner/advantages.py": ["tests/unit/learner/test_advantages.py", "tests/unit/learner/test_batch.py"],
 }
 """Module -> the fast tests that cover it (files that do not exist are skipped)."""
 

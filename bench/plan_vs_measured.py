@@ -8,7 +8,7 @@ learner's share (``Plan.learner``: weights + gradients + optimizer + the larger
 of the activations and the optimizer step's transients; the rollout
 engine and the runtime allowance are left out, since bench/gpu.py runs no
 engine and ``torch.cuda.max_memory_allocated`` counts tensors only) and
-prints predicted against measured, side by side. tests/unit/test_plan.py
+prints predicted against measured, side by side. tests/unit/deploy/test_plan.py
 holds the planner to within 25% of every recorded run.
 """
 

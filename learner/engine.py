@@ -504,7 +504,7 @@ def crash_point(point: str, step: int, marker_dir: Path) -> None:
     """SIGKILL this process at ``point`` of ``step`` if :data:`CRASH_AT` names ``point:step``, once per
     run (the marker file ``marker_dir/crashed-POINT-STEP`` says it happened). Off unless set: it lets a
     test kill the learner inside a window that a kill -9 from outside hits only by chance
-    (tests/integration/test_main_job.py)."""
+    (tests/integration/deploy/test_main_job.py)."""
     if f"{point}:{step}" not in os.environ.get(CRASH_AT, "").split(","):
         return
     marker = Path(marker_dir) / f"crashed-{point}-{step}"

@@ -22,7 +22,7 @@ Supported hosts: x86-64 and aarch64 (``filter_bytes`` raises elsewhere, and
 the backend then reports bubblewrap as unusable).
 
 The same effect as libseccomp's ``seccomp_export_bpf`` with a deny list, in
-60 lines and without a C dependency; ``tests/integration/test_sandbox_hardening.py``
+60 lines and without a C dependency; ``tests/integration/reward_server/test_sandbox_hardening.py``
 checks each class of call from inside a real sandbox.
 """
 

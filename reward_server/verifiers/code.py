@@ -17,7 +17,7 @@ harness's, never the program's. The tests reach the harness on its stdin,
 never as a file. Early exits, fake result lines, rigged ``__eq__``, patched
 ``json``/``builtins``/``unittest``, stack and ``gc`` inspection and reading
 the tests are closed (the harness docstring lists them, and
-tests/integration/test_reward_hacks.py tries each under every backend).
+tests/integration/reward_server/test_hacks.py tries each under every backend).
 Residual risks: the program sees its call arguments (inputs in the prompt
 can be hard-coded); the stdin/stdout cases still compare the program's own
 output, which is as intended; expected stdout never enters the sandbox.

@@ -34,7 +34,7 @@ Two processes, and only one of them is trusted:
   or set argument is copied back after the call, so in-place functions work);
   the test source and the expected values never leave the harness.
 
-Hacks this closes (each is a case of tests/integration/test_reward_hacks.py):
+Hacks this closes (each is a case of tests/integration/reward_server/test_hacks.py):
 writing verdict lines to any inherited descriptor, or to the parent's through
 ``/proc``; ``os._exit(0)``, ``sys.exit``, ``SystemExit``/``KeyboardInterrupt``
 from the function under test, atexit hooks, killing or stopping the harness;

@@ -1,0 +1,140 @@
+"""``tandem run`` (``make run``), the main job, as a user runs it: exit code, summary.json, report.
+
+- A short run of the example (9 steps, a checkpoint every 3, 16 held-out
+  prompts) on the real stack (embedded Redis, reward sandboxes, vLLM,
+  DeepSpeed). The learner kills itself (SIGKILL, ``_TANDEM_CRASH_AT``:
+  :func:`learner.engine.crash_point`) in the three windows that a kill -9
+  from outside hits only by chance: after publishing step 6's version but
+  before its checkpoint and acknowledgement; in the middle of step 9's
+  checkpoint (files written, pointer not replaced); after step 9's checkpoint
+  but before its groups are acknowledged. The supervisor restarts it each
+  time; the run must still exit 0 with an audit that passes (no group lost or
+  trained twice, versions contiguous, the resumes' retractions recorded) and a
+  summary.json whose figures agree with the ledger.
+- Runs that must fail: a config with a bad field (exit 2 naming the field,
+  before anything starts) and a service that cannot start (exit 1 naming it
+  and its log, no process left behind).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from broker.processes import OWNER_VARIABLE
+from services.config import load_run_config
+from services.runs import CHARTS
+from tests.fixtures.stack import short_run_config
+
+ROOT = Path(__file__).resolve().parents[3]
+STEPS, CHECKPOINT_EVERY, EVAL_PROMPTS = 9, 3, 16
+CRASHES = ("published:6", "saving:9", "saved:9")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
+    return env | extra
+
+
+def _tandem_run(config: Path, runs: Path, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(config), "--runs", str(runs)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+def _owned_by_pid(pid: int) -> list[int]:
+    """Live processes a stack started by process ``pid`` left (its tag is ``PID-...``)."""
+    want = f"{OWNER_VARIABLE}={pid}-".encode()
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(v.startswith(want) for v in (entry / "environ").read_bytes().split(b"\0")):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    left.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_tandem_run_writes_summary_and_report_and_survives_learner_kills_in_its_windows(tmp_path, arith_model):
+    config_path = short_run_config(tmp_path, arith_model, steps=STEPS, checkpoint_every=CHECKPOINT_EVERY,
+                                   eval_prompts=EVAL_PROMPTS)
+    config = load_run_config(config_path)
+    runs = tmp_path / "runs"
+    t0 = time.monotonic()
+    done = _tandem_run(config_path, runs, _env(_TANDEM_CRASH_AT=",".join(CRASHES), TANDEM_STACK_MAX_RESTARTS="5"),
+                       timeout_s=1100)
+    wall = time.monotonic() - t0
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = Path(done.stdout.strip().splitlines()[-1])
+    assert run_dir.parent == runs.resolve() and [p.name for p in runs.iterdir()] == [run_dir.name]
+    learner_files = run_dir / run_dir.name
+    # each crash happened, once, at its point (the marker files), and the learner was restarted each time
+    assert sorted(p.name for p in (learner_files / "checkpoints").glob("crashed-*")) == sorted(
+        f"crashed-{c.replace(':', '-')}" for c in CRASHES)
+    assert done.stdout.count("learner exited with code -9") == len(CRASHES), done.stdout[-3000:]
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    audit = summary["audit"]
+    assert audit["ok"] and audit["violations"] == 0, audit
+    assert (audit["lost"], audit["trained_twice"], audit["groups"]["open"]) == (0, 0, 0), audit
+    assert audit["learner_starts"] == 1 + len(CRASHES)
+    assert audit["closed"] == "run_finished" and audit["steps"] == STEPS
+    # the kill after step 6's publish loses steps 4-6 (checkpoint 3), the kill mid-checkpoint 9 loses 7-9
+    # (checkpoint 6): their 6 versions are retracted; the kill after checkpoint 9 loses none (its groups
+    # are acknowledged at the resume)
+    assert len(audit["versions"]["retracted"]) == 6 and audit["lost_steps"] == 6, audit
+
+    assert summary["run_id"] == run_dir.name and summary["config"] == str(config_path)
+    assert summary["steps"] == STEPS
+    assert summary["final_version"] == audit["versions"]["last"] == STEPS + 2 * 3 + 2  # 6 retracted, 2 republished
+    assert summary["groups_trained"] == audit["groups"]["trained"] == STEPS * config.learner.groups_per_step
+    assert summary["samples"] == summary["counters"]["produced"] * config.sampling.group_size > 0
+    assert summary["eval_prompts"] == EVAL_PROMPTS
+    evals = {e["version"]: e["accuracy"] for e in summary["evals"]}
+    assert evals[0] == summary["accuracy_before"] and evals[summary["final_version"]] == summary["accuracy_after"]
+    assert summary["accuracy_after"] > summary["accuracy_before"], summary  # 37.5% -> 93.8% when measured
+    assert summary["max_staleness"] == 1 and 0 <= summary["max_observed_lag"] <= 1
+    assert summary["stale_dropped"] == summary["counters"].get("stale_dropped", 0)
+    assert 0 < summary["wall_s"] <= wall
+    t = summary["throughput"]  # the run's means, not the last sample (taken once the rollout side idled)
+    assert t["rollout_tokens_per_s"] > 0 and t["learner_tokens_per_s"] > 0 and t["rollout_idle_frac"] < 1, t
+
+    report = run_dir / "report"
+    assert sorted(p.name for p in report.iterdir()) == sorted(f"{c}.png" for c in CHARTS)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.iterdir())
+    print(f"tandem run of {STEPS} steps with {len(CRASHES)} learner kills: {wall:.0f} s; "
+          f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}")
+
+
+def test_a_bad_config_fails_naming_the_field_before_anything_starts(tmp_path):
+    config_path = short_run_config(tmp_path, tmp_path / "model", steps=2, checkpoint_every=1)
+    config_path.write_text(config_path.read_text().replace("groups_per_step = ", "groups_per_stp = "))
+    done = _tandem_run(config_path, tmp_path / "runs", _env(), timeout_s=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "learner.groups_per_stp: unknown field" in done.stderr, done.stderr
+    assert not (tmp_path / "runs").exists()  # no stack directory: nothing was started
+
+
+@pytest.mark.slow  # it starts vLLM and DeepSpeed (and stops them while they start)
+def test_a_service_that_cannot_start_fails_the_run_and_leaves_no_process(tmp_path, arith_model):
+    config_path = short_run_config(tmp_path, arith_model, steps=2, checkpoint_every=1)
+    # the control plane refuses its own settings and exits while vLLM and DeepSpeed are still starting
+    env = _env(TANDEM_CONTROL_MAX_PROMPT_SET_LINES="0", TANDEM_STACK_STOP_GRACE_S="2")
+    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config_path), "--runs",
+                            str(tmp_path / "runs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 1, out + err
+    stack = next((tmp_path / "runs").glob(".stack-*"))
+    assert f"tandem run failed: control exited with code 2 while starting; see {stack}/logs/control.log" in \
+        " ".join(err.split()), err
+    assert "max_prompt_set_lines" in (stack / "logs" / "control.log").read_text()
+    assert not _owned_by_pid(job.pid), "a process the stack started is still alive"

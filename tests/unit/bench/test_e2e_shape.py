@@ -1,0 +1,58 @@
+"""bench/e2e.py without TRL or a stack: the run config it writes, the accuracy timing, the CPU accounting."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def e2e():
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench/e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tandem_config_is_the_example_with_this_benchmarks_settings(e2e, tmp_path):
+    from services.config import load_run_config
+
+    base = load_run_config(ROOT / "examples/arith/run.toml")
+    cfg = load_run_config(e2e.tandem_config("25m", tmp_path / "m", 20, 5, tmp_path))
+    assert cfg.model.path == tmp_path / "m" and cfg.model.bootstrap is None
+    assert (cfg.learner.steps, cfg.eval.every, cfg.loss.filter_zero_variance) == (20, 5, False)
+    # everything else as in the example: the two sides' hyperparameters come from there
+    assert cfg.sampling == base.sampling and cfg.learner.lr == base.learner.lr
+    assert cfg.loss.model_copy(update={"filter_zero_variance": True}) == base.loss
+    assert load_run_config(e2e.tandem_config("example", tmp_path / "m", 150, 10, tmp_path)).loss == base.loss
+
+
+def test_time_to_accuracy_is_the_first_eval_point_that_reaches_it(e2e):
+    points = [{"step": 20, "accuracy": 0.91, "train_s": 30.0}, {"step": 0, "accuracy": 0.6, "train_s": 0.0},
+              {"step": 10, "accuracy": 0.75, "train_s": 14.0}, {"step": 30, "accuracy": 0.88, "train_s": 44.0}]
+    assert e2e.first_reaching(points, 0.7) == 14.0
+    assert e2e.first_reaching(points, 0.9) == 30.0
+    assert e2e.first_reaching(points, 0.95) is None
+
+
+def test_a_descendants_cpu_time_is_counted_while_it_runs(e2e):
+    before = e2e.tree_cpu_s(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 1.0: pass\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while e2e.tree_cpu_s(os.getpid()) - before < 0.9 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert e2e.tree_cpu_s(os.getpid()) - before >= 0.9
+        assert e2e.tree_cpu_s(child.pid) == pytest.approx(e2e.children_cpu_s())  # it has no descendants
+    finally:
+        child.kill()
+        child.wait()

@@ -1,0 +1,384 @@
+"""deploy.modal_app, offline: the Modal graph builds, each function gets the options its deploy
+section asks for, and each entrypoint runs only what ``tandem serve`` runs.
+
+No Modal credentials exist here: the app is defined, never deployed. Options are read back from
+the SDK's own ``Function.info()`` (``modal.types.FunctionInfo``); autoscaling options, which the SDK
+keeps only in the request it sends when deploying, are read from ``SpyAppMock`` — a recording
+wrapper around the real ``modal.App.function`` / ``modal.App.cls`` (a mock of Modal's cloud boundary:
+it records the keyword arguments and passes them on unchanged).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path, PurePosixPath
+
+import click
+import modal
+import pytest
+import typer
+
+from deploy import launch
+from deploy.config import (
+    CORE_PACKAGES,
+    EXTRA_PACKAGES,
+    IMAGE_PACKAGES,
+    ModalDeploy,
+    RoleDeploy,
+    load_deploy,
+    role_env,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+MODULE = ROOT / "deploy" / "modal_app.py"
+
+CUSTOM = """
+[modal]
+app_name = "tandem-test"
+volume = "runs-test"
+secret = "tandem-test"
+region = "us-east"
+rollout_port = 9001
+
+[modal.control]
+cpu = 2.0
+memory_mib = 3000
+min_containers = 1
+max_containers = 2
+scaledown_window_s = 120
+concurrency = 7
+timeout_s = 3600
+
+[modal.rollout]
+gpu = "A100-80GB:2"
+cpu = 6.0
+memory_mib = 40000
+min_containers = 3
+max_containers = 5
+scaledown_window_s = 900
+concurrency = 11
+
+[modal.reward]
+cpu = 3.0
+memory_mib = 5000
+min_containers = 2
+max_containers = 9
+scaledown_window_s = 30
+concurrency = 13
+
+[modal.learner]
+gpu = "H200:8"
+nodes = 2
+cpu = 48.0
+memory_mib = 300000
+timeout_s = 7200
+"""
+
+
+class SpyAppMock:
+    """Mock of Modal's deploy boundary: records what ``app.function`` / ``app.cls`` are given."""
+
+    def __init__(self, monkeypatch):
+        self.calls: dict[int, dict] = {}  # id(Function or Cls) -> keyword arguments
+        real_function, real_cls = modal.App.function, modal.App.cls
+        spy = self
+
+        def function(app, *args, **kw):
+            wrap = real_function(app, *args, **kw)
+            return lambda f: spy._record(f, kw, wrap)
+
+        def cls(app, *args, **kw):
+            wrap = real_cls(app, *args, **kw)
+            return lambda c: spy._record(c, kw, wrap)
+
+        monkeypatch.setattr(modal.App, "function", function)
+        monkeypatch.setattr(modal.App, "cls", cls)
+
+    def _record(self, target, kw, wrap):
+        defined = wrap(target)
+        self.calls[id(defined)] = kw
+        return defined
+
+
+def load_app(monkeypatch, tmp_path, deploy_toml: str | None):
+    """deploy/modal_app.py imported afresh (a new module) with ``DEPLOY_MODAL_TOML`` set as given."""
+    if deploy_toml is None:
+        monkeypatch.delenv("DEPLOY_MODAL_TOML", raising=False)
+    else:
+        path = tmp_path / "modal.toml"
+        path.write_text(deploy_toml)
+        monkeypatch.setenv("DEPLOY_MODAL_TOML", str(path))
+    monkeypatch.delenv("DEPLOY_RUN_CONFIG", raising=False)
+    spy = SpyAppMock(monkeypatch)
+    spec = importlib.util.spec_from_file_location(f"modal_app_under_test_{len(str(deploy_toml))}", MODULE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, spy
+
+
+def info(module, role):
+    if role == "rollout":
+        return module.Rollout._get_class_service_function().info()
+    return getattr(module, role).info()
+
+
+def gpus(gpu: str | None) -> list[tuple[str, int]]:
+    if gpu is None:
+        return []
+    kind, _, count = gpu.partition(":")
+    return [(kind, int(count or 1))]
+
+
+def test_importing_the_module_defines_the_whole_app_offline():
+    import deploy.modal_app as m
+
+    assert isinstance(m.app, modal.App) and m.app.name == "tandem-arith"
+    for fn in (m.control, m.reward, m.learner):
+        assert isinstance(fn, modal.Function)
+    assert isinstance(m.Rollout, modal.Cls)
+    assert m.REMOTE_CONFIG == PurePosixPath("/examples/arith/run.toml")
+
+
+@pytest.mark.parametrize("deploy_toml", [None, CUSTOM], ids=["defaults", "custom"])
+def test_each_function_gets_the_options_of_its_deploy_section(monkeypatch, tmp_path, deploy_toml):
+    module, spy = load_app(monkeypatch, tmp_path, deploy_toml)
+    plan = ModalDeploy() if deploy_toml is None else ModalDeploy.model_validate(tomllib.loads(deploy_toml)["modal"])
+    assert module.SECTION == plan
+    assert module.app.name == (plan.app_name or "tandem-arith")
+    recorded = {role: spy.calls[id(getattr(module, "Rollout" if role == "rollout" else role))]
+                for role in ("control", "rollout", "reward", "learner")}
+    for role in ("control", "rollout", "reward", "learner"):
+        want: RoleDeploy = getattr(plan, role)
+        got = info(module, role)
+        assert got.gpus == gpus(want.gpu), role
+        assert got.cpu == want.cpu, role
+        assert got.memory_mib == want.memory_mib, role
+        assert got.timeout == want.timeout_s, role
+        assert got.regions == ([plan.region] if plan.region else None), role
+        assert {p: v.name for p, v in got.volumes.items()} == {"/runs": plan.volume}, role
+        assert got.secrets[0] == f"modal.Secret.from_name({plan.secret!r})", role
+        assert got.secrets[1] == f"Secret.from_dict([{', '.join(role_env(plan, role))}])", role
+        kw = recorded[role]
+        if role == "learner":
+            assert got.concurrency_info is None
+            assert (got.cluster_info.size if got.cluster_info else 1) == want.nodes
+            assert not {"min_containers", "max_containers", "scaledown_window"} & kw.keys()
+        else:
+            assert got.concurrency_info.max_inputs == want.concurrency, role
+            assert got.cluster_info is None, role
+            assert (kw["min_containers"], kw["max_containers"], kw["scaledown_window"]) == (
+                want.min_containers, want.max_containers, want.scaledown_window_s), role
+    assert info(module, "control").web_info is not None and info(module, "reward").web_info is not None
+    assert set(info(module, "rollout").method_details) == {"serve"}
+    assert role_env(plan, "rollout")["TANDEM_PORT"] == str(plan.rollout_port)
+    assert role_env(plan, "reward")["TANDEM_REWARD_SANDBOX"] == "modal"
+    # the learner commits the weights volume after a version, rollout servers reload it before one
+    for role in ("rollout", "learner"):
+        assert role_env(plan, role)["TANDEM_RUN_DIR_VOLUME"] == plan.volume, role
+        assert "modal==1.6.4" in IMAGE_PACKAGES[role], role
+
+
+def test_every_secret_requires_the_token_and_redis(monkeypatch, tmp_path):
+    seen = []
+    real = modal.Secret.from_name
+
+    def from_name_recorder_mock(name, *a, required_keys=(), **kw):
+        seen.append((name, list(required_keys)))
+        return real(name, *a, required_keys=required_keys, **kw)
+
+    monkeypatch.setattr(modal.Secret, "from_name", from_name_recorder_mock)
+    load_app(monkeypatch, tmp_path, None)
+    assert seen == [("tandem", ["TANDEM_TOKEN", "REDIS_URL"])] * 4
+
+
+def test_the_deploy_section_is_checked_at_load_time(tmp_path):
+    bad = {
+        "[modal.learner]\ngpu = \"H100:4\"\nnodes = 2": "every GPU of each node",
+        "[modal.rollout]\ngpu = \"H100:8\"\nnodes = 2": "only the learner",
+        "[modal.reward]\nmin_containers = 3\nmax_containers = 2": "below min_containers",
+        "[modal.control]\nscaledown_window_s = 1": "scaledown_window_s",
+        "[modal.rollout]\ngpu = \"H100:x\"": "TYPE:COUNT",
+        "[modal]\ngpus = 1": "gpus",
+    }
+    for text, message in bad.items():
+        path = tmp_path / "bad.toml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_deploy(path)
+    assert load_deploy(None) == ModalDeploy()
+
+
+def test_image_pins_match_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert CORE_PACKAGES == project["dependencies"]
+    for extra, packages in EXTRA_PACKAGES.items():
+        assert packages == project["optional-dependencies"][extra], extra
+
+
+# --- every entrypoint runs only what `tandem serve` runs -------------------------------------
+
+ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_settings"]
+SERVICE_MODULES = {"control_plane", "reward_server", "rollout_server", "learner"}
+"""The packages whose ``build_app`` / ``serve`` ``tandem serve`` calls (deploy.cli.SERVICE_PACKAGES)."""
+GLUE = {
+    # the `tandem serve` command line (tests below parse it with the real CLI), run by the container
+    "launch.serve_argv", "launch.torchrun_argv", "launch.start", "launch.run",
+    # where the other containers are: this container's rank, rank 0's address, the reward URL
+    "modal.Cluster.from_context", "cluster.container_rank", "cluster.container_ips",
+    "reward.get_web_url", "os.environ.get",
+}
+"""Calls named in full (``uvicorn.run`` is not ``launch.run``)."""
+HELPERS = {"_settings", "_rollout_env", "cls", "gpu_count"}
+"""This module's own helpers (themselves entrypoints above) and ``_settings``'s class argument."""
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            out |= {f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)}
+    return out
+
+
+def _called(fn: ast.FunctionDef) -> set[str]:
+    """Names of what ``fn``'s body calls (its decorators are Modal's options, not its behaviour)."""
+    names = set()
+    for node in (n for stmt in fn.body for n in ast.walk(stmt)):
+        if isinstance(node, ast.Call):
+            names.add(_dotted(node.func))
+    return names
+
+
+def _dotted(f: ast.expr) -> str:
+    """``a.b.c`` for a call of a plain name chain; else the called attribute's name."""
+    parts = []
+    while isinstance(f, ast.Attribute):
+        parts.append(f.attr)
+        f = f.value
+    if isinstance(f, ast.Name):
+        return ".".join([f.id, *reversed(parts)])
+    return parts[0] if parts else "<expr>"
+
+
+def _allowed(name: str, serve_path: set[str]) -> bool:
+    """``name`` is glue named in full, or its last part is a name the serve path calls."""
+    return name in GLUE or name.rsplit(".", 1)[-1] in serve_path
+
+
+def _cli_serve_path() -> set[str]:
+    """Names ``tandem serve`` calls (last parts): deploy/cli.py's ``serve`` and ``_settings``."""
+    cli = _functions(ast.parse((ROOT / "deploy" / "cli.py").read_text()))
+    return {n.rsplit(".", 1)[-1] for n in _called(cli["serve"]) | _called(cli["_settings"])}
+
+
+def test_entrypoints_call_only_what_tandem_serve_calls():
+    from deploy.cli import SERVICE_PACKAGES, settings_classes
+
+    assert set(SERVICE_PACKAGES.values()) <= SERVICE_MODULES
+    serve_path = (_cli_serve_path() | {"build_app"} | {c.__name__ for c in settings_classes().values()}
+                  | HELPERS)
+    assert {"check_environment", "settings_classes", "check_auth_safe", "load_run_config"} <= serve_path
+    functions = _functions(ast.parse(MODULE.read_text()))
+    for name in ENTRYPOINTS:
+        called = {n for n in _called(functions[name]) if not _allowed(n, serve_path)}
+        assert not called, f"{name} calls {sorted(called)}, which `tandem serve` does not"
+        for node in ast.walk(functions[name]):
+            assert not isinstance(node, ast.Import), f"{name}: import only service entries (from X import Y)"
+            if isinstance(node, ast.ImportFrom):
+                assert node.module in SERVICE_MODULES | {"services.settings", "deploy.cli",
+                                                         "reward_server.settings"}, (name, node.module)
+                if node.module in SERVICE_MODULES:
+                    assert [a.name for a in node.names] == ["build_app"], (name, node.module)
+
+
+def test_the_allow_list_refuses_a_call_outside_the_serve_path():
+    serve_path = _cli_serve_path() | {"build_app", "ControlSettings"} | HELPERS
+    own_server = ast.parse("def control():\n    return uvicorn.run(build_app(ControlSettings()))\n")
+    assert [n for n in _called(own_server.body[0]) if not _allowed(n, serve_path)] == ["uvicorn.run"]
+    own_loop = ast.parse("def learner():\n    Trainer(settings, config).run_blocking()\n")
+    assert {n for n in _called(own_loop.body[0]) if not _allowed(n, serve_path)} == {"Trainer", "run_blocking"}
+
+
+def _serve_context(argv: list[str]) -> click.Context:
+    """Parse ``argv`` (after ``-m deploy.cli``) with the real CLI, without running it."""
+    from deploy.cli import app as cli
+
+    group = typer.main.get_command(cli)
+    assert argv[0] == "serve"
+    return group.commands["serve"].make_context("serve", argv[1:])
+
+
+def test_rollout_runs_the_tandem_serve_command_line():
+    argv = launch.serve_argv("rollout", PurePosixPath("/examples/arith/run.toml"))
+    assert argv[:3] == [sys.executable, "-m", "deploy.cli"]
+    params = _serve_context(argv[3:]).params
+    assert params["name"].value == "rollout" and params["config"] == Path("/examples/arith/run.toml")
+
+
+def test_learner_runs_torchrun_over_the_tandem_serve_command_line():
+    from torch.distributed.run import get_args_parser
+
+    for nodes, rank, master in ((1, 0, None), (2, 1, "fd00::1")):
+        argv = launch.torchrun_argv(nodes=nodes, node_rank=rank, master_addr=master, nproc_per_node=8,
+                                    config="/examples/arith/run.toml")
+        assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        args = get_args_parser().parse_args(argv[3:])
+        assert (args.nnodes, args.nproc_per_node, args.node_rank) == (str(nodes), "8", rank)
+        assert args.master_addr == (master or "127.0.0.1")
+        assert args.module and args.training_script == "deploy.cli"
+        params = _serve_context(args.training_script_args).params
+        assert params["name"].value == "learner" and params["config"] == Path("/examples/arith/run.toml")
+    with pytest.raises(ValueError, match="rank 0"):
+        launch.torchrun_argv(nodes=2, node_rank=1, master_addr=None, nproc_per_node=8, config="x")
+
+
+def test_the_run_config_lands_where_its_runs_paths_reach_the_volume():
+    import deploy.modal_app as m
+
+    remote_model = os.path.normpath(m.REMOTE_CONFIG.parent / os.path.relpath(m.CONFIG.model.path, m.RUN_CONFIG.parent))
+    assert remote_model == "/runs/models/arith"
+    with pytest.raises(ValueError, match="inside the repository"):
+        launch.container_path(Path("/tmp/elsewhere/run.toml"), ROOT)
+
+
+def test_a_service_that_exits_ends_its_container_with_its_status():
+    code = "import sys, time; from deploy.launch import start; start([sys.executable, '-c', 'raise SystemExit(3)']); time.sleep(60)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=30, capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
+    with pytest.raises(RuntimeError, match="exited with 4"):
+        launch.run([sys.executable, "-c", "raise SystemExit(4)"])
+    launch.run([sys.executable, "-c", "pass"])
+
+
+def test_tandem_deploy_modal_runs_modal_deploy_on_the_app_with_the_run_config(tmp_path):
+    """`tandem deploy modal --dry-run` names `modal deploy -m deploy.modal_app` and the environment that
+    picks the run config; that environment builds the app (offline) for that config."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from deploy.cli import app as cli
+
+    config = ROOT / "examples/arith/run.toml"  # the app ships the config's folder: it lives in the repository
+    out = CliRunner().invoke(cli, ["deploy", "modal", "--config", str(config), "--dry-run"])
+    assert out.exit_code == 0, out.output
+    words = shlex.split(out.output.strip().splitlines()[-1])
+    env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    assert env == {"DEPLOY_RUN_CONFIG": str(config)}
+    assert words[len(env):][1:] == ["-m", "modal", "deploy", "-m", "deploy.modal_app"]
+    built = subprocess.run([sys.executable, "-c", "import deploy.modal_app as m; print(m.app.name)"],
+                           env={**os.environ, **env}, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert built.stdout.split()[-1] == "tandem-arith"
+    bad = CliRunner().invoke(cli, ["deploy", "gcp", "--config", str(config), "--dry-run"])
+    assert bad.exit_code == 2 and "unknown deploy target" in bad.output
