@@ -100,7 +100,7 @@ def read_lines(path: Path, limit: int | None = None) -> list[dict]:
 def score(completion: str, answer: str) -> float:
     """The reward server's own ``exact`` verdict with ``answer_tag`` extraction (what tandem trains on)."""
     from reward_server.verifiers.text import exact
-    from services.wire import ExactSpec
+    from services.reward_specs import ExactSpec
 
     return exact("0", completion, ExactSpec(answer=str(answer), extract="answer_tag")).reward
 

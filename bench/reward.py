@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reward_server.sandbox.guest import GUEST_DIR  # noqa: E402
 from reward_server.verifiers import code  # noqa: E402
-from services.wire import Limits, PythonTestsSpec  # noqa: E402
+from services.reward_specs import Limits, PythonTestsSpec  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "problems.jsonl"
 LIMITS = Limits(wall_s=10, cpu_s=10)

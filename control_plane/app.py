@@ -42,11 +42,11 @@ from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.evaluate import EvalLog, eval_prompts
 from services.promptsets import LineError
+from services.reward_specs import REWARD_TYPES
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
 from services.settings import ControlSettings
 from services.watchdog import IncidentLog
 from services.wire import (
-    REWARD_TYPES,
     CreateRun,
     EvalPrompt,
     MetricsPage,

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from reward_server.sandbox.base import Job, RunOutcome, Sandbox, SandboxUnavailable
 from services.app import ServiceError
-from services.wire import CombinedSpec, Limits, PythonTestsSpec, RewardSpec
+from services.reward_specs import CombinedSpec, Limits, PythonTestsSpec, RewardSpec
 
 # Limits field -> the RewardSettings field that caps it.
 CEILINGS = {"wall_s": "max_wall_s", "cpu_s": "max_cpu_s", "memory_mb": "max_memory_mb",

@@ -1,6 +1,6 @@
 """Pull the answer (or the program) out of a model's completion.
 
-The ``Extract`` modes of :mod:`services.wire`: the last ``<answer>...</answer>``,
+The ``Extract`` modes of :mod:`services.reward_specs`: the last ``<answer>...</answer>``,
 the last ``\\boxed{...}`` (braces balanced, so ``\\boxed{\\frac{1}{2}}`` works),
 the last number, or the whole text; and for code, the last fenced block
 (a ``python``-labelled one preferred) or the whole completion.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from services.wire import Extract
+from services.reward_specs import Extract
 
 ANSWER_OPEN = re.compile(r"<answer>", re.IGNORECASE)
 ANSWER_CLOSE = re.compile(r"</answer>", re.IGNORECASE)

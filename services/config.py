@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.keys import check_run_id
-from services.wire import RewardType
+from services.reward_specs import RewardType
 
 MAX_EPOCHS = 1000
 """Most passes a run config may ask for over its prompt set (``data.epochs``)."""

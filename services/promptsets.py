@@ -1,7 +1,7 @@
 """The prompt-set format: JSON lines, each a prompt and a reward spec, validated line by line.
 
 A line is ``{"prompt": str, <reward-spec fields>}``: the spec fields are
-those of one of ``services.wire.RewardSpec``'s types, named by ``"type"``.
+those of one of ``services.reward_specs.RewardSpec``'s types, named by ``"type"``.
 A line without ``"type"`` takes the run config's ``reward.type`` and
 ``reward.extract`` when a run starts (:func:`line_specs`; at upload it is
 checked against ``default_type``). Blank lines are skipped. Errors name the
@@ -29,14 +29,14 @@ import math
 from pydantic import TypeAdapter, ValidationError
 
 from services.config import RunConfig
-from services.wire import REWARD_TYPES, CombinedSpec, RegexSpec, RewardSpec, WeightedSpec
+from services.reward_specs import REWARD_TYPES, CombinedSpec, RegexSpec, RewardSpec, WeightedSpec
 
 MAX_ERRORS = 20
 """An upload stops being parsed after this many bad lines (the 422 lists them)."""
 
 MAX_DEPTH = 32
 """Deepest nesting of objects and arrays in one line (the line's object is depth 1). A spec
-combined as deep as ``services.wire.MAX_COMBINED_DEPTH`` allows needs about 15."""
+combined as deep as ``services.reward_specs.MAX_COMBINED_DEPTH`` allows needs about 15."""
 
 INT_RANGE = (-(1 << 63), 1 << 63)
 """Integers a line may hold: [low, high), what msgpack and the other services' JSON readers take."""

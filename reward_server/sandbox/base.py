@@ -1,7 +1,7 @@
 """The sandbox interface every backend implements, and the job format they share.
 
 A :class:`Job` is what the verifiers ask for: some files, one or more runs of
-a program against them, under :class:`~services.wire.Limits`. Every backend
+a program against them, under :class:`~services.reward_specs.Limits`. Every backend
 hands the job to the same in-sandbox supervisor (``guest/agent.py``) as one
 frame (4-byte big-endian length + JSON) and reads one frame back, so limits
 and verdicts mean the same thing under gVisor, bubblewrap and Modal.
@@ -20,7 +20,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.wire import ExecStatus, Limits
+from services.reward_specs import Limits
+from services.wire import ExecStatus
 
 HEADER = struct.Struct(">I")
 MAX_ANSWER_BYTES = 512 << 20

@@ -37,7 +37,7 @@ from reward_server.sandbox.base import (
     python_run,
     read_answer,
 )
-from services.wire import Limits
+from services.reward_specs import Limits
 
 ACCEPTED = {"accepted": True}
 

@@ -30,7 +30,8 @@ from collections.abc import Awaitable, Callable
 from reward_server.extract import code as extract_code
 from reward_server.sandbox.base import Job, RunOutcome, SandboxError, harness_run, python_run
 from reward_server.verifiers.result import infra, scored
-from services.wire import PythonTestsSpec, ScoreResult
+from services.reward_specs import PythonTestsSpec
+from services.wire import ScoreResult
 
 RunJob = Callable[[Job], Awaitable[list[RunOutcome]]]
 FAILURE_ORDER = ("compile_error", "timeout", "memory_limit", "output_limit", "runtime_error")

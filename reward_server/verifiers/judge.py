@@ -45,7 +45,8 @@ import httpx
 
 from reward_server.verifiers import text
 from reward_server.verifiers.result import infra, scored
-from services.wire import JudgeSpec, ScoreResult
+from services.reward_specs import JudgeSpec
+from services.wire import ScoreResult
 
 if TYPE_CHECKING:
     from reward_server.settings import RewardSettings

@@ -27,7 +27,8 @@ from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
 from reward_server.extract import extract
 from reward_server.verifiers.result import infra, scored
-from services.wire import MathSpec, ScoreResult
+from services.reward_specs import MathSpec
+from services.wire import ScoreResult
 
 
 def _as_latex(text: str) -> str:

@@ -24,7 +24,7 @@ from reward_server.verifiers.judge import Judge, UrlRefused
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.result import infra, scored
 from services.app import ServiceError
-from services.wire import (
+from services.reward_specs import (
     CombinedSpec,
     ExactSpec,
     JudgeSpec,
@@ -33,9 +33,8 @@ from services.wire import (
     PythonTestsSpec,
     RegexSpec,
     RewardSpec,
-    ScoreItem,
-    ScoreResult,
 )
+from services.wire import ScoreItem, ScoreResult
 
 
 def sandbox_jobs(spec: RewardSpec) -> int:

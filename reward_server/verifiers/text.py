@@ -7,7 +7,7 @@ untrusted authors and meet untrusted text (completions, judge replies), and a pa
 package (``re``'s syntax) under its ``timeout=``, in a small thread pool of their own: ``regex``
 releases the GIL while it matches a ``str``, so the event loop keeps serving, the default
 executor is never filled by them, and a pattern that runs out of time ends as ``timeout``
-(reward 0) within ``timeout_s``. Compiling cannot be timed; ``services.wire`` bounds it (the
+(reward 0) within ``timeout_s``. Compiling cannot be timed; ``services.reward_specs`` bounds it (the
 pattern's length and how far its counted repeats expand) before a spec gets here.
 """
 
@@ -24,7 +24,8 @@ import regex as regex_engine
 
 from reward_server.extract import extract
 from reward_server.verifiers.result import scored
-from services.wire import ExactSpec, NumericSpec, RegexSpec, ScoreResult
+from services.reward_specs import ExactSpec, NumericSpec, RegexSpec
+from services.wire import ScoreResult
 
 REGEX_TEXT_CAP = 200_000  # characters of a completion a regex spec's pattern runs over
 REGEX_TIMEOUT_S = 1.0

@@ -15,6 +15,7 @@ import pytest
 
 from broker import Envelope, QueueFull, Stream
 from services import wire
+from services.reward_specs import ExactSpec
 
 
 def _traj(group_id: str, version: int = 0) -> bytes:
@@ -111,7 +112,7 @@ async def test_malformed_entries_are_dead_lettered_and_the_consumer_goes_on(redi
     await redis.xadd(keys.trajectories, {"g": "v-not-int", "v": "x", "p": b""})
     await stream.add(Envelope("bad-schema", 0, b"\x93\x01\x02\x03"))
     await stream.add(Envelope("wrong-fields", 0, wire.encode(wire.PromptGroup(
-        run_id="r", group_id="x", prompt="p", spec=wire.ExactSpec(answer="1"), n=1))))
+        run_id="r", group_id="x", prompt="p", spec=ExactSpec(answer="1"), n=1))))
     await stream.add(Envelope("good", 0, _traj("good")))
 
     good = []

@@ -9,7 +9,8 @@ import httpx
 import pytest
 
 from services.clients import RewardClient
-from services.wire import ExecuteRequest, Limits
+from services.reward_specs import Limits
+from services.wire import ExecuteRequest
 from tests.fixtures.reward import REWARD_TOKEN
 
 

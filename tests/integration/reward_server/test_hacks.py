@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 
 from reward_server.verifiers import code
-from services.wire import Limits, PythonTestsSpec
+from services.reward_specs import Limits, PythonTestsSpec
 
 LIMITS = Limits(wall_s=3.0, cpu_s=3.0)
 ADD_TESTS = [

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from reward_server.settings import RewardSettings
 from reward_server.verifiers.judge import Judge
-from services.wire import JudgeSpec
+from services.reward_specs import JudgeSpec
 from tests.fixtures.reward import REWARD_TOKEN
 
 REPO = Path(__file__).resolve().parents[3]

@@ -15,7 +15,7 @@ from pathlib import Path
 from pebble import CONSTS
 
 from reward_server.verifiers.math import MathVerifier
-from services.wire import MathSpec
+from services.reward_specs import MathSpec
 
 TOWER = "9^{9^{9^{9^{9}}}}"  # evaluating it does not finish
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from reward_server.sandbox.base import Job, Run, harness_run, python_run
-from services.wire import Limits
+from services.reward_specs import Limits
 
 LIMITS = Limits(wall_s=3, cpu_s=3)
 

@@ -24,7 +24,7 @@ import pytest
 
 from reward_server.sandbox.base import Job, Run, python_run
 from reward_server.sandbox.modal import exec_args, outcome_of_exec
-from services.wire import Limits
+from services.reward_specs import Limits
 
 BACKENDS = ("gvisor", "bwrap")
 LIMITS = Limits(wall_s=4, cpu_s=4)

@@ -18,6 +18,7 @@ from broker.weights import WeightVersion
 from services import wire
 from services.clients import RewardClient
 from services.config import RunConfig
+from services.reward_specs import RegexSpec
 from tests.fixtures.rollout import TOKEN
 
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
@@ -48,7 +49,7 @@ async def _enqueue(redis, keys, count: int, n: int, spec=None) -> list[str]:
         gid = f"g{i}-{uuid.uuid4().hex[:6]}"
         pg = wire.PromptGroup(
             run_id=keys.run_id, group_id=gid, prompt=f"Q{i}: 2+{i}=", n=n, index=i,
-            spec=spec or wire.RegexSpec(pattern="a"),
+            spec=spec or RegexSpec(pattern="a"),
         )
         envs.append(Envelope(gid, -1, wire.encode(pg)))
         groups.append(gid)
@@ -340,7 +341,7 @@ async def _store_eval_prompts(redis, keys) -> None:
     from services.evaluate import EvalLog
 
     await EvalLog(redis, keys).store_prompts(
-        [wire.EvalPrompt(prompt=f"{i}+{i}=", spec=wire.RegexSpec(pattern="a")) for i in range(EVAL_PROMPTS)])
+        [wire.EvalPrompt(prompt=f"{i}+{i}=", spec=RegexSpec(pattern="a")) for i in range(EVAL_PROMPTS)])
 
 
 async def _serving_new_version_with_eval_prompts(redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine):

@@ -19,6 +19,7 @@ from broker import Envelope, Stream
 from broker.processes import free_port, stop_group
 from deploy.stack import wait_healthy
 from services import wire
+from services.reward_specs import RegexSpec
 from tests.fixtures.rollout import TOKEN
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ max_staleness = 1
             prompts = Stream.prompts(redis, keys)
             await prompts.ensure_group()
             gid = f"p-{uuid.uuid4().hex[:8]}"
-            pg = wire.PromptGroup(run_id=keys.run_id, group_id=gid, prompt="1+1=", n=2, spec=wire.RegexSpec(pattern="2"))
+            pg = wire.PromptGroup(run_id=keys.run_id, group_id=gid, prompt="1+1=", n=2, spec=RegexSpec(pattern="2"))
             await prompts.add(Envelope(gid, -1, wire.encode(pg)))
             traj = Stream.trajectories(redis, keys)
             await traj.ensure_group()

@@ -39,6 +39,7 @@ from deploy.stack import wait_healthy
 from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import WatchdogConfig
+from services.reward_specs import ExactSpec
 from services.watchdog import IncidentLog, Stalled
 
 REPO = Path(__file__).resolve().parents[3]
@@ -80,7 +81,7 @@ def reward_process(tmp_path):
 async def test_a_reward_server_that_accepts_and_never_answers_costs_at_most_score_s(reward_process, redis, keys):
     proc, url = reward_process
     request = wire.ScoreRequest(items=[wire.ScoreItem(id="a", completion="<answer>4</answer>",
-                                                      spec=wire.ExactSpec(answer="4"))])
+                                                      spec=ExactSpec(answer="4"))])
     client = RewardClient(url, TOKEN, timeout_s=1.0, attempts=10, max_total_s=3.0, bound_field="watchdog.score_s",
                           incidents=IncidentLog(redis, keys), source="rollout:test")
     async with client:

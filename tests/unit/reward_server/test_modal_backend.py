@@ -21,7 +21,7 @@ from reward_server.sandbox.modal import (
     outcome_of_exec,
     sandbox_kwargs,
 )
-from services.wire import Limits
+from services.reward_specs import Limits
 
 
 def answer_frame(runs: list[dict]) -> bytes:

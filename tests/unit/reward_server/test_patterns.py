@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from reward_server import extract
-from services.wire import MAX_PATTERN_CHARS, JudgeSpec, RegexSpec
+from services.reward_specs import MAX_PATTERN_CHARS, JudgeSpec, RegexSpec
 
 # The extraction regexes as they were (quadratic on hostile input): the reference semantics.
 OLD_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)

@@ -7,7 +7,7 @@ import pytest
 from reward_server import extract
 from reward_server.sandbox.base import RunOutcome
 from reward_server.verifiers import code, text
-from services.wire import ExactSpec, IOCase, NumericSpec, PythonTestsSpec, RegexSpec
+from services.reward_specs import ExactSpec, IOCase, NumericSpec, PythonTestsSpec, RegexSpec
 
 
 def test_boxed_balances_braces_and_takes_the_last():

@@ -11,6 +11,15 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from services import wire
+from services.reward_specs import (
+    CombinedSpec,
+    ExactSpec,
+    MathSpec,
+    NumericSpec,
+    PythonTestsSpec,
+    RegexSpec,
+    WeightedSpec,
+)
 
 logprob = st.floats(min_value=-50.0, max_value=0.0, allow_nan=False)
 
@@ -40,11 +49,11 @@ def trajectory_groups(draw):
 
 
 specs = st.one_of(
-    st.builds(wire.ExactSpec, answer=st.text(max_size=10)),
-    st.builds(wire.NumericSpec, answer=st.floats(allow_nan=False, allow_infinity=False), tolerance=st.floats(0, 1)),
-    st.builds(wire.MathSpec, answer=st.text(min_size=1, max_size=10)),
-    st.builds(wire.RegexSpec, pattern=st.just(r"<answer>\d+</answer>")),
-    st.builds(wire.PythonTestsSpec, tests=st.just(["assert f(1) == 2"])),
+    st.builds(ExactSpec, answer=st.text(max_size=10)),
+    st.builds(NumericSpec, answer=st.floats(allow_nan=False, allow_infinity=False), tolerance=st.floats(0, 1)),
+    st.builds(MathSpec, answer=st.text(min_size=1, max_size=10)),
+    st.builds(RegexSpec, pattern=st.just(r"<answer>\d+</answer>")),
+    st.builds(PythonTestsSpec, tests=st.just(["assert f(1) == 2"])),
 )
 
 
@@ -63,9 +72,9 @@ def test_prompt_group_round_trip_keeps_the_spec_type(spec, n):
 
 
 def test_combined_spec_nests():
-    spec = wire.CombinedSpec(parts=[
-        wire.WeightedSpec(weight=1.0, spec=wire.ExactSpec(answer="4")),
-        wire.WeightedSpec(weight=0.1, spec=wire.RegexSpec(pattern="<answer>")),
+    spec = CombinedSpec(parts=[
+        WeightedSpec(weight=1.0, spec=ExactSpec(answer="4")),
+        WeightedSpec(weight=0.1, spec=RegexSpec(pattern="<answer>")),
     ])
     group = wire.PromptGroup(run_id="r", group_id="g", prompt="2+2=", spec=spec, n=2)
     assert wire.decode(wire.PromptGroup, wire.encode(group)).spec.parts[1].spec.type == "regex"
@@ -127,7 +136,7 @@ def test_decode_rejects_garbage_with_value_error(data):
 
 
 def test_encoding_is_never_pickle():
-    group = wire.PromptGroup(run_id="r", group_id="g", prompt="p", spec=wire.ExactSpec(answer="1"), n=2)
+    group = wire.PromptGroup(run_id="r", group_id="g", prompt="p", spec=ExactSpec(answer="1"), n=2)
     data = wire.encode(group)
     assert not data.startswith(b"\x80")  # pickle protocol marker
     assert msgpack.unpackb(data)["group_id"] == "g"
@@ -136,7 +145,7 @@ def test_encoding_is_never_pickle():
 @pytest.mark.parametrize("field", ["answer", "tolerance"])
 @pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
 def test_numeric_spec_refuses_non_finite_numbers(field, value):
-    from services.wire import NumericSpec
+    from services.reward_specs import NumericSpec
 
     body = {"answer": "1.0", field: value}
     with pytest.raises(ValueError, match=field):
