@@ -5,7 +5,7 @@ Imported by ``bench/e2e.py``, which measures the costs on a ``tandem run``
 ``python bench/pools.py [bench/results/e2e.json]`` prints it again from a
 result file.
 
-The model is a small discrete-event simulation of ARCHITECTURE.md section 3
+The model is a small discrete-event simulation of docs/architecture.md section 3
 and of how the services behave, with the costs as inputs (:class:`Costs`):
 
 - **Rollout server** (one per machine, or ``cpu_share`` of one when servers

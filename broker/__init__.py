@@ -8,7 +8,7 @@ delivery accounting on that envelope alone:
 - ``keys``: every Redis key name, namespaced by run id.
 - ``streams``: the ``prompts`` and ``trajectories`` streams with consumer
   groups, reclaim of abandoned entries, dead letters, idempotent acks.
-- ``admission``: the staleness contract (ARCHITECTURE.md section 3):
+- ``admission``: the staleness contract (docs/architecture.md section 3):
   admission on the rollout side, acceptance on the learner side.
 - ``weights``: the weight-version registry, its publish notification and
   retraction.

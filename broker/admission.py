@@ -1,4 +1,4 @@
-"""The staleness bound (ARCHITECTURE.md section 3), both sides of it.
+"""The staleness bound (docs/architecture.md section 3), both sides of it.
 
 Let ``v_learner`` be the newest published weight version and ``eta`` the
 run's ``max_staleness``.

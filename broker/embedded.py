@@ -11,7 +11,7 @@ The child gets ``PR_SET_PDEATHSIG``: if the parent dies without cleaning up
 (``kill -9``, a crash), the kernel sends the server SIGTERM, so no orphan
 Redis survives its owner.
 
-Other local users are not trusted (ARCHITECTURE.md section 7); a port on
+Other local users are not trusted (docs/architecture.md section 7); a port on
 127.0.0.1 is open to all of them. So the server
 
 - requires a random password (``requirepass``) that only its owner knows:

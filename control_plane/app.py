@@ -1,4 +1,4 @@
-"""The control plane's REST API (ARCHITECTURE.md section 4).
+"""The control plane's REST API (docs/architecture.md section 8).
 
 Who talks to whom: users and ``tandem submit/status`` call these routes;
 the control plane stores prompt sets and runs in Redis and enqueues prompt

@@ -1,6 +1,6 @@
 """The tandem services as one deployed Modal app: the same processes ``tandem serve`` runs.
 
-Who talks to whom (as in the local stack; ARCHITECTURE.md section 2):
+Who talks to whom (as in the local stack; docs/architecture.md section 1):
 
 | function | Modal shape | runs |
 |---|---|---|

@@ -11,7 +11,7 @@ Reads trajectory groups, and for each optimizer step hands the trainer
 3. *signal*: with ``loss.filter_zero_variance`` a group whose rewards are all
    equal is acknowledged as ``zero_variance_dropped`` (DAPO dynamic
    sampling: the batch is filled with groups that carry a gradient);
-4. *acceptance* (ARCHITECTURE.md section 3), judged when the step's batch is
+4. *acceptance* (docs/architecture.md section 3), judged when the step's batch is
    formed, against the version the step will improve: a group from version
    ``v`` is used only if ``0 <= lag(v_learner, v) <= max_staleness`` and
    ``v`` was not retracted (``broker.admission.accept``); otherwise it is

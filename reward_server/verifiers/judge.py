@@ -8,7 +8,7 @@ words, divided by ``max_score`` and clipped to [0, 1], is the reward. An
 endpoint that fails, or a reply without a score, is ``judge_error``
 (infrastructure: no reward), never a silent 0.
 
-Who may send the judge where (ARCHITECTURE.md section 7: prompt-set authors
+Who may send the judge where (docs/architecture.md section 7: prompt-set authors
 and completions are not trusted):
 
 - Endpoints. A spec without ``url`` goes to the server's own judge

@@ -1,4 +1,4 @@
-"""Admission control and acceptance (ARCHITECTURE.md section 3) against a real Redis."""
+"""Admission control and acceptance (docs/architecture.md section 3) against a real Redis."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Real control plane (real Redis, database of the control tests) and real reward
 server, served by uvicorn on free ports and called over HTTP; the start-up
-refusals through ``tandem serve``. Threats (ARCHITECTURE.md section 7, "web
+refusals through ``tandem serve``. Threats (docs/architecture.md section 7, "web
 pages in the operator's browser"):
 
 - ``TANDEM_TOKEN=""`` once passed the loopback guard and switched auth off;

@@ -1,6 +1,6 @@
 """The learner's RNG checkpoint file: restored exactly, and read without running code.
 
-The checkpoint directory is data (ARCHITECTURE.md section 7): a file there
+The checkpoint directory is data (docs/architecture.md section 7): a file there
 must not be able to run code in the learner when it resumes, so
 ``learner.engine.load_rng_state`` unpickles with ``weights_only=True``.
 """
