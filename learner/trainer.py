@@ -83,7 +83,7 @@ from learner.feeder import DataTimeout
 from learner.ranks import RankChannel, RankCommand, receive
 from learner.settings import LearnerSettings
 from learner.status import Published, Status
-from learner.weights import retained
+from learner.weights import RETENTION_FILE, RUN_CONFIG_FILE, best, retained
 from services.config import RunConfig
 
 if TYPE_CHECKING:
@@ -103,6 +103,7 @@ class Paths:
         self.weights = base / "weights"
         self.checkpoints = base / "checkpoints"
         self.logs = base / "learner"
+        self.config = base / RUN_CONFIG_FILE
 
 
 def run_id_of(settings: LearnerSettings, cfg: RunConfig) -> str:
@@ -216,6 +217,7 @@ class Trainer:
         if not self.settings.redis_url:
             raise RuntimeError("the learner needs a Redis URL (REDIS_URL)")
         self.paths.logs.mkdir(parents=True, exist_ok=True)
+        _write_json(self.paths.config, self.cfg.model_dump(mode="json"))  # what `tandem export` reads
         store.clean_temp(self.paths.weights)
         self.redis = connect(self.settings.redis_url)
         try:
@@ -388,12 +390,22 @@ class Trainer:
 
         history = [w.version for w in await self.registry.history()]
         in_use = (await self.registry.in_use()).values()
-        _keep, delete = retained(history, self.cfg.publish.keep, in_use)
+        pub, scores = self.cfg.publish, {}
+        if pub.keep_best:
+            from services.evaluate import EvalLog, due
+
+            scores = {v: p.accuracy for v, p in (await EvalLog(self.redis, self.keys).points()).items()}
+        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=pub.keep_best,
+                                scores=scores, due=lambda v: due(v, self.cfg.eval))
         for v in sorted(delete):
             path = store.version_dir(self.paths.weights, v)
             if path.exists():
                 store.delete_version(self.paths.weights, v)
         await self.registry.forget(sorted(delete))
+        _write_json(self.paths.weights / RETENTION_FILE, {
+            "scores": {str(v): s for v, s in sorted(scores.items())}, "kept": sorted(keep),
+            "best": best(scores, pub.keep_best, among=keep),
+        })
 
     async def _checkpoint(self) -> None:
         """Save this step's checkpoint (collective) with the groups held since the last one, then
@@ -436,6 +448,7 @@ class Trainer:
             "reward_mean": sum(rewards) / len(rewards),
             "lag_max": float(max(lags)), "lag_mean": sum(lags) / len(lags),
             "stale_dropped": float(feeder.counts["stale_dropped"]),
+            "zero_variance_dropped": float(feeder.counts["zero_variance_dropped"]),
             "learner_tokens_per_s": st.tokens_per_s,
             "learner_idle_frac": st.idle_fraction,
         }
@@ -524,6 +537,13 @@ def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:
         return tensors, {"weights_name": "adapter_model.safetensors",
                          "extra_files": {"adapter_config.json": adapter_config}}
     return engine.full_state_dict(dtype), {}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Replace ``path`` with ``data`` as JSON, atomically (a reader sees the old file or the new)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 def _held(record: list):

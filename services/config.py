@@ -177,6 +177,13 @@ class PublishConfig(Section):
     """Publish a new weight version every N optimizer steps."""
     keep: int = Field(default=3, ge=1)
     """Versions kept on disk (older ones are deleted once no rollout server uses them)."""
+    keep_every: int = Field(default=0, ge=0)
+    """Also keep every version whose number is a multiple of N, for good (0 = none): snapshots
+    that outlive the rolling window of ``keep``, for ``tandem export RUN --version N``."""
+    keep_best: int = Field(default=0, ge=0)
+    """Also keep the N versions with the highest held-out score (``eval.every``'s accuracy; a tie
+    keeps the newer), and any version due for evaluation until it is scored (0 = none); see
+    ``learner.weights.retained``. ``tandem export RUN --version best`` exports the best of them."""
     lora_format: Literal["merged", "adapter"] = "merged"
     """With ``learner.lora``: publish full weights with the adapter merged in (what vLLM's in-place
     ``reload_weights`` loads), or only the adapter in PEFT format (``adapter_model.safetensors`` +
@@ -229,6 +236,40 @@ class WatchdogConfig(Section):
     all-reduce, the command broadcast) waiting longer fails the run with an error naming it."""
 
 
+class LoggingConfig(Section):
+    """Experiment trackers. The control plane follows the run's metrics stream and logs the run
+    config as hyperparameters and every metric point (learner, rollout servers, held-out
+    evaluation) to each tracker named here, through the tracker's own library (``pip install
+    'tandem[trackers]'``); see ``control_plane.trackers``. A tracker that cannot start fails the
+    run's creation (``POST /v1/runs`` answers 422 naming it); one that fails later is reported as
+    an incident of the run and dropped, and training goes on."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list)
+    """Trackers to log to (none by default)."""
+    dir: Path | None = None
+    """Where the trackers' local files go: TensorBoard's event files, W&B's run files, MLflow's
+    file store. Default ``<run dir>/<run id>/trackers``; a relative path is taken from the
+    control plane's run directory."""
+    project: str | None = None
+    """W&B project and MLflow experiment name (default: the run config's ``name``)."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user; default: the API key's)."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """W&B mode (default: ``WANDB_MODE`` in the control plane's environment, else W&B's own)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (default: a file store under ``dir``, ``<dir>/mlflow``)."""
+    close_after_s: float = Field(default=300.0, ge=0)
+    """A run that ended keeps its trackers open this long after its last metric point (the main
+    job's final evaluation comes after the learner finishes), or until another run starts or the
+    control plane stops."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> LoggingConfig:
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ValueError(f"trackers: {self.trackers} names a tracker twice")
+        return self
+
+
 class RunConfig(Section):
     """One training run."""
 
@@ -254,6 +295,8 @@ class RunConfig(Section):
     """Held-out evaluation."""
     watchdog: WatchdogConfig = WatchdogConfig()
     """Bounds on reloads, generate and score calls, learner steps and collectives."""
+    logging: LoggingConfig = LoggingConfig()
+    """Experiment trackers (TensorBoard, Weights & Biases, MLflow) the run's metrics go to."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -276,6 +319,8 @@ class RunConfig(Section):
             raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
         if self.publish.lora_format == "adapter" and self.learner.lora is None:
             raise ValueError("publish.lora_format = 'adapter' needs a [learner.lora] section")
+        if self.publish.keep_best and not self.eval.every:
+            raise ValueError("publish.keep_best needs eval.every > 0: versions are ranked by their held-out scores")
         if self.watchdog.collective_s <= self.learner.wait_timeout_s:
             raise ValueError(
                 f"watchdog.collective_s ({self.watchdog.collective_s:g}) must be above learner.wait_timeout_s "

@@ -77,6 +77,7 @@ METRICS: dict[str, str] = {
     "lag_max": "largest v_learner - v among the groups trained at this step",
     "lag_mean": "mean v_learner - v of the groups trained at this step",
     "stale_dropped": "groups dropped as too stale so far (cumulative)",
+    "zero_variance_dropped": "groups dropped because all their rewards were equal, so far (cumulative)",
     "rollout_tokens_per_s": "tokens generated per second (rollout side)",
     "learner_tokens_per_s": "tokens trained per second (learner side)",
     "rollout_idle_frac": "fraction of wall time the rollout servers waited (admission)",
