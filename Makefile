@@ -33,14 +33,15 @@ test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -ra -m "not slow" $(FAST_IGNORE)
 
-# make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the README's
-# reliability table and writes bench/results/chaos.json. About 15 minutes on two cores.
+# make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the reliability
+# table of docs/reliability.md and writes bench/results/chaos.json (how long it takes: docs/testing.md).
 chaos: $(STAMPS)/dev
 	CHAOS_RESULTS=bench/results/chaos.json $(PY) -m pytest -q -s -ra -m chaos tests/chaos
 
 # make mutation: small changes to the core modules (broker/admission.py, broker/streams.py, learner/loss.py,
 # learner/feeder.py, learner/advantages.py), each run against the fast tests that cover it, in copies of the
-# repository under /tmp (bench/mutation.py); prints the score and writes bench/results/mutation.json. ~15 minutes.
+# repository under /tmp (bench/mutation.py); prints the score and writes bench/results/mutation.json
+# (the score and how long it took: docs/testing.md).
 mutation: $(STAMPS)/dev
 	$(PY) bench/mutation.py
 
@@ -101,7 +102,7 @@ image: $(STAMPS)/install
 	PYTHON=$(PY) PIP_WHEEL_ARGS="$(TORCH_INDEX)" sh deploy/image.sh
 
 # make compose-test: docker compose up of the CPU profile trains the example, down -v leaves nothing
-# (tests/compose; sets up Docker as root when missing). Not part of make test: 6-10 minutes on two cores with
-# the images built, about 11 more to build them.
+# (tests/compose; sets up Docker as root when missing). Not part of make test (how long it takes, with and
+# without the images built: docs/compose.md).
 compose-test: $(STAMPS)/dev
 	$(PY) -m pytest -q -ra -s -m compose tests/compose

@@ -29,7 +29,7 @@
 - on :meth:`stop` (Ctrl-C, SIGTERM) sends SIGTERM to each service, SIGKILL
   to its whole process group after a grace period, then stops Redis.
 
-Other local users are not trusted (ARCHITECTURE.md section 7). The run
+Other local users are not trusted (docs/architecture.md section 7). The run
 directory holds the token (``stack.json``), the embedded Redis's data and
 the weights, so the stack makes it 0700 and the services that write there run with
 umask 077 (every file they write is 0600). The embedded Redis requires a password
@@ -196,8 +196,8 @@ class Stack:
 
     def _inductor_cache(self) -> Path:
         """Where torch.compile keeps what it built: the user's cache, so that every run after the first
-        finds it (vLLM compiles its log-prob ranking on its first generation: that generation took
-        18.5 s without the cache, 2.5 s with it), not the services' TMPDIRs, emptied whenever a
+        finds it (vLLM compiles its log-prob ranking on its first generation; docs/performance.md, "Fixed
+        costs", has that generation's time with and without the cache), not the services' TMPDIRs, emptied whenever a
         service starts. The run directory if that cache cannot be made."""
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tandem" / "torchinductor"
         try:

@@ -37,8 +37,8 @@ from pathlib import Path
 ALPHABET = "0123456789+-*=<>/answer "
 SFT_STEPS = 600
 """Supervised steps of the cold start (learning rate decayed to zero by the last). Measured on
-examples/arith (200 held-out prompts, greedy, one thread): 32.5%, 32.5%, 34.5% at seeds 0, 1, 2, every
-problem without a carry right. Along the way (seeds 0 / 1 / 2): 450 steps 39.5 / 31.5 / 29.5%, 500 steps
+examples/arith (200 held-out prompts, greedy, one thread): the plateau README.md gives under "What
+`make run` shows" at seeds 0, 1, 2, every problem without a carry right. Along the way (seeds 0 / 1 / 2): 450 steps 39.5 / 31.5 / 29.5%, 500 steps
 29.5 / 36 / 45.5%, 540 steps 30 / 37 / 35%. GRPO (examples/arith/run.toml) from seed 1 went to 89.5% in
 150 steps and to 90.0% in 200 (90.0% at step 150); from an equivalent seed-0 build, to 94.5% in 150."""
 CARRY_SLIP = 0.7

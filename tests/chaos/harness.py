@@ -97,7 +97,7 @@ class Report:
     up_exit: int | None = None
 
     def table(self) -> str:
-        """The README's reliability table, one row per fault."""
+        """The reliability table of docs/reliability.md, one row per fault."""
         rows = ["| fault | at step | recovery (s) | groups lost | trained twice | audit |", "|---|---|---|---|---|---|"]
         verdict = "pass" if self.audit.get("ok") else "FAIL"
         for o in self.outcomes:

@@ -5,7 +5,7 @@ Redis killed -9 (Redis restarted on its AOF) and the reward server paused
 past the rollout server's timeout, during a 30-step run. ``test_every_fault`` (``make chaos``,
 marked ``chaos``: not in ``make test``): every service killed -9 in turn and
 the reward and rollout servers paused, during a 60-step run; it prints the
-README's reliability table and writes it to ``$CHAOS_RESULTS`` when set;
+reliability table of docs/reliability.md and writes it to ``$CHAOS_RESULTS`` when set;
 ``test_two_rollout_servers_and_two_learner_ranks`` (also ``make chaos``)
 runs the example with two rollout servers and two learner ranks.
 """

@@ -102,7 +102,7 @@ def wait_healthy(env: dict, timeout_s: float) -> dict[str, dict]:
 def compose_config(tmp_path: Path) -> Path:
     """The example's run config as the containers see it: the model in the runs volume (where the
     bootstrap service built it), the data files where this checkout holds them (the client uploads them).
-    The README's sed line does the same."""
+    The sed line in docs/compose.md does the same."""
     example = ROOT / "examples" / "arith"
     text = re.sub(r"(?m)^path = .*$", 'path = "/runs/models/arith"', (example / "run.toml").read_text())
     text = re.sub(r'(?m)^(train|eval) = "', rf'\1 = "{example}/', text)

@@ -7,7 +7,7 @@ settings checks are tests/unit/deploy/test_modal_app.py. With credentials, from 
 
 It deploys the example app under a throw-away name with no GPU container kept warm (rollout
 ``min_containers = 0``; the learner is never spawned), so it costs CPU minutes only. It needs the
-Secret ``tandem`` (TANDEM_TOKEN, REDIS_URL) to exist in the workspace, as the README's Modal steps
+Secret ``tandem`` (TANDEM_TOKEN, REDIS_URL) to exist in the workspace, as the steps in docs/modal.md
 create it; the token is read from ``TANDEM_TOKEN`` here. Then it checks that the control plane
 answers over Modal's web endpoint with tandem's auth in force, that the reward server scores a
 ``python_tests`` item by running it in a Modal Sandbox, and stops the app.

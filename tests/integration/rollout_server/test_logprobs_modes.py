@@ -1,4 +1,4 @@
-"""Behaviour log-probs under top-k/top-p (README "Behaviour log-probabilities"), checked against
+"""Behaviour log-probs under top-k/top-p (docs/architecture.md section 3, "Behaviour log-probabilities"), checked against
 Hugging Face logits truncated by hand the way vLLM's sampler truncates them.
 
 Default mode (``processed_logprobs``), here on the session engine (tiny Qwen3): each token's
