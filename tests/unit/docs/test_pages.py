@@ -1,4 +1,5 @@
-"""The README stays a few screens: what tandem is, the two commands, and an index of docs/."""
+"""The pages themselves: the README stays a few screens (what tandem is, the two commands, an index of
+docs/), and docs/configuration.md describes every section of the run config."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def test_readme_indexes_every_docs_page():
     pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
     linked = set(re.findall(r"\]\((docs/[^)#\s]+)", README))
     assert pages and not set(pages) - linked, f"docs pages missing from the README's index: {sorted(set(pages) - linked)}"
+
+
+def test_configuration_page_names_every_run_config_section():
+    """docs/configuration.md's table of the run config lists every top-level field of RunConfig."""
+    from services.config import RunConfig
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    rows = set(re.findall(r"^\| `\[?(\w+)\]?` \|", page, re.M))
+    missing = sorted(set(RunConfig.model_fields) - rows)
+    assert not missing, f"docs/configuration.md does not describe run config sections {missing}"
