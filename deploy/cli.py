@@ -14,6 +14,8 @@ from typing import Annotated
 
 import typer
 
+from deploy.prompts import app as prompts_app
+
 app = typer.Typer(
     name="tandem",
     help="Asynchronous GRPO training as services: rollout (vLLM), reward (sandboxes), learner (DeepSpeed).",
@@ -21,6 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(prompts_app, name="prompts")
 
 
 class ServiceName(StrEnum):
@@ -309,7 +312,8 @@ def _http_error(e) -> str:
 
 @app.command()
 def submit(
-    prompts: Annotated[Path, typer.Argument(help="Prompt set: JSON lines with 'prompt' and reward-spec fields.")],
+    prompts: Annotated[Path, typer.Argument(help="Prompt set: JSON lines with 'prompt' (or 'messages', or the "
+                                                 "fields of prompt.template) and reward-spec fields.")],
     config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML).")],
     url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_URL or the local stack).")] = None,
 ) -> None:
@@ -395,6 +399,49 @@ def status(
                 live.update(table)
     except httpx.HTTPError as e:
         _fail(_http_error(e), code=1)
+
+
+@app.command()
+def runs(
+    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_URL or the local stack).")] = None,
+) -> None:
+    """List the control plane's runs, newest first: state, step, policy version, prompt set."""
+    import asyncio
+
+    import httpx
+    from rich.console import Console
+
+    from deploy.report import runs_table
+
+    async def fetch():
+        async with _control(url) as client:
+            return await client.runs()
+
+    try:
+        Console().print(runs_table(asyncio.run(fetch())))
+    except httpx.HTTPError as e:
+        _fail(_http_error(e), code=1)
+
+
+@app.command()
+def stop(
+    run_id: Annotated[str, typer.Argument(help="The run to stop (queued or running).")],
+    url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_URL or the local stack).")] = None,
+) -> None:
+    """Stop a queued or running run; the services let it go within a poll."""
+    import asyncio
+
+    import httpx
+
+    async def go():
+        async with _control(url) as client:
+            return await client.stop_run(run_id)
+
+    try:
+        record = asyncio.run(go())
+    except httpx.HTTPError as e:
+        _fail(_http_error(e), code=1)
+    typer.echo(f"run {record.run_id}: {record.state}")
 
 
 @app.command()

@@ -17,7 +17,9 @@ One group, start to end:
    flight; wait.
 2. Read one prompt entry (none: give the slot back).
 3. Generate its ``n`` samples with the run's sampling parameters, renewing
-   the slot's lease meanwhile.
+   the slot's lease meanwhile. A group of chat ``messages`` is rendered with
+   the model's chat template and the run's ``prompt.chat_template_kwargs``
+   (``engine.render``); one the template cannot render is dead-lettered.
 4. Score all ``n`` completions in one ``POST /v1/score``. Items that come back
    with an infrastructure status (``sandbox_error``, ``judge_error``: reward
    is None) are scored again, up to ``reward.retries`` more times; if any
@@ -281,7 +283,11 @@ class Actor:
         """The greedy (``eval.temperature``) completion of one held-out prompt; None if the engine cannot
         take the prompt (it counts as wrong)."""
         s = self.config.sampling
-        ids = self.engine.tokenize(prompt.prompt)
+        try:
+            _, ids = self.engine.prompt_ids(prompt.prompt, prompt.messages, self.config.prompt.chat_template_kwargs)
+        except InvalidRequest as e:
+            log.warning("held-out prompt %d not generated (counted wrong): %s", i, e)
+            return None
         sampling = Sampling(n=1, temperature=self.config.eval.temperature, max_tokens=max(1, min(
             s.max_tokens, self.engine.max_model_len - len(ids))), stop=tuple(s.stop), seed=i)
         try:
@@ -358,7 +364,12 @@ class Actor:
             await self._drop(delivery, ticket, "malformed", f"prompt group of run {pg.run_id!r} in run {self.keys.run_id!r}")
             return
         s = self.config.sampling
-        ids = self.engine.tokenize(pg.prompt)
+        field = "messages" if pg.messages is not None else "prompt"
+        try:
+            text, ids = self.engine.prompt_ids(pg.prompt, pg.messages, self.config.prompt.chat_template_kwargs)
+        except InvalidRequest as e:
+            await self._drop(delivery, ticket, "invalid", f"cannot render the prompt: {e}")
+            return
         room = self.engine.max_model_len - len(ids)
         sampling = Sampling(
             n=pg.n,
@@ -371,7 +382,7 @@ class Actor:
             stop=tuple(s.stop),
         )
         try:
-            self.engine.check(ids, sampling, prompt_field="prompt")
+            self.engine.check(ids, sampling, prompt_field=field)
         except InvalidRequest as e:
             await self._drop(delivery, ticket, "invalid", f"cannot generate: {e}")
             return
@@ -418,7 +429,7 @@ class Actor:
         traj = wire.TrajectoryGroup(
             run_id=pg.run_id,
             group_id=pg.group_id,
-            prompt=pg.prompt,
+            prompt=text,
             prompt_token_ids=gen.prompt_token_ids,
             samples=samples,
             n=pg.n,

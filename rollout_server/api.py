@@ -77,7 +77,11 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     if body.prompt_token_ids is not None:
         ids, field = list(body.prompt_token_ids), "prompt_token_ids"
     else:
-        ids, field = engine.tokenize(body.prompt), "prompt"
+        field = "messages" if body.messages is not None else "prompt"
+        try:
+            _, ids = engine.prompt_ids(body.prompt, body.messages, body.chat_template_kwargs)
+        except InvalidRequest as e:
+            raise invalid(e.field, e.message) from e
     sampling = Sampling(
         n=body.n,
         temperature=body.temperature,

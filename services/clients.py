@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterable
 
 import httpx
 from pydantic import BaseModel
@@ -156,13 +157,29 @@ class RolloutClient(ServiceClient):
 
 
 class ControlClient(ServiceClient):
-    async def upload_prompt_set(self, data: bytes, default_type: str = "math") -> wire.PromptSetInfo:
-        # a 4xx here names the bad line: no retry (the request is wrong)
+    async def upload_prompt_set(
+        self, data: bytes | AsyncIterable[bytes], default_type: str = "math"
+    ) -> wire.PromptSetInfo:
+        """Upload JSON lines: ``data`` whole, or its chunks as they are produced (sent chunked: a
+        dataset import streams). One attempt: a 4xx names the bad line (the request is wrong), and
+        a stream cannot be replayed."""
         resp = await self.http.post(
             "/v1/prompt-sets", content=data, params={"default_type": default_type},
             headers={"Content-Type": "application/x-ndjson"},
         )
         resp.raise_for_status()
+        return wire.PromptSetInfo.model_validate(resp.json())
+
+    async def prompt_sets(self) -> list[wire.PromptSetInfo]:
+        resp = await self.request("GET", "/v1/prompt-sets")
+        return [wire.PromptSetInfo.model_validate(p) for p in resp.json()]
+
+    async def prompt_set(self, set_id: str) -> wire.PromptSetInfo:
+        resp = await self.request("GET", f"/v1/prompt-sets/{set_id}")
+        return wire.PromptSetInfo.model_validate(resp.json())
+
+    async def delete_prompt_set(self, set_id: str) -> wire.PromptSetInfo:
+        resp = await self.request("DELETE", f"/v1/prompt-sets/{set_id}")
         return wire.PromptSetInfo.model_validate(resp.json())
 
     async def create_run(self, prompt_set_id: str, config: dict | None,

@@ -12,11 +12,12 @@ Service settings (ports, URLs, tokens) are not here: they come from
 
 from __future__ import annotations
 
+import string
 import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from broker.keys import check_run_id
 from services.reward_specs import RewardType
@@ -42,7 +43,8 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     train: Path
-    """Prompt set to train on (JSON lines: ``prompt`` plus reward-spec fields)."""
+    """Prompt set to train on (JSON lines: ``prompt``, ``messages`` or the fields ``prompt.template`` fills in,
+    plus reward-spec fields; ``services.promptsets``)."""
     eval: Path | None = None
     """Held-out prompt set for evaluation before, during (``eval.every``) and after training (same format)."""
     epochs: int = Field(default=1, ge=1, le=MAX_EPOCHS)
@@ -50,6 +52,73 @@ class DataConfig(Section):
     groups when it starts)."""
     shuffle_seed: int | None = 0
     """Seed of the per-epoch shuffle; None keeps file order."""
+
+
+CHAT_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+})
+"""Arguments of ``apply_chat_template`` itself, which ``prompt.chat_template_kwargs`` may not set."""
+
+
+def template_fields(template: str) -> list[str]:
+    """The placeholder names of a prompt template, in order of first use. Raises ``ValueError`` for
+    anything but plain ``{name}`` placeholders (no ``{}``, ``{0}``, ``{a.b}``, ``{a[0]}``, ``{a!r}``,
+    ``{a:>5}``): a template fills in text, it does not reach into objects."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise ValueError(f"not a valid template: {e} (a literal brace is written {{{{ or }}}})") from None
+    names: list[str] = []
+    for _text, name, spec, conversion in parsed:
+        if name is None:
+            continue
+        if not name.isidentifier():
+            raise ValueError(f"placeholder {{{name}}}: name a line field, e.g. {{question}}")
+        if spec or conversion:
+            raise ValueError(f"placeholder of {name!r}: write it as plain {{{name}}} (no conversion or format spec)")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("the template has no {field} placeholder: it would give every line the same prompt")
+    return names
+
+
+class PromptConfig(Section):
+    """How a prompt-set line becomes what the model reads (``services.prompts``). Lines carry ``prompt``
+    text, chat ``messages`` (rendered by the rollout server with the model's own chat template), or
+    named fields that ``template`` turns into text. Checked against every line when the run is
+    created: a problem is a 422 naming the line and field."""
+
+    system_prompt: str | None = Field(default=None, min_length=1)
+    """A system turn put first: in messages lines that have no system turn of their own (theirs wins),
+    and in prompt and template lines, which then become ``[system, user: <their text>]`` and are
+    rendered with the chat template too. Needs a model with a chat template; for a base model, write
+    the instructions into ``template``."""
+    template: str | None = None
+    """Text template for prompt and template lines (base models), e.g. ``"Question: {question}\nAnswer:"``:
+    each ``{name}`` is filled with the line's field of that name (``{prompt}`` is a prompt line's text).
+    Every placeholder must be a field of each line and each of a line's fields must be used; reward-spec
+    fields (the answer) are never available. Messages lines are not templated."""
+    chat_template_kwargs: dict[str, str | bool | int | float] = Field(default_factory=dict)
+    """Extra variables for the chat template of messages lines, passed to
+    ``tokenizer.apply_chat_template`` (e.g. ``{enable_thinking = false}`` for Qwen3)."""
+
+    @field_validator("template")
+    @classmethod
+    def _placeholders(cls, value: str | None) -> str | None:
+        if value is not None:
+            template_fields(value)
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_arguments(cls, value: dict) -> dict:
+        taken = sorted(set(value) & CHAT_TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is an argument of apply_chat_template itself, not a template variable")
+        return value
 
 
 class SamplingConfig(Section):
@@ -279,6 +348,8 @@ class RunConfig(Section):
     """The policy to train."""
     data: DataConfig
     """Training and held-out prompt sets."""
+    prompt: PromptConfig = PromptConfig()
+    """System prompt, text template and chat-template variables: how lines become prompts."""
     sampling: SamplingConfig = SamplingConfig()
     """How rollouts sample (G, temperature, lengths)."""
     reward: RewardConfig = RewardConfig()

@@ -36,6 +36,7 @@ from broker import Keys
 from services import wire
 from services.clients import RewardClient, RolloutClient
 from services.config import EvalConfig, RunConfig
+from services.prompts import chat_template_in, prompt_forms
 from services.promptsets import LineParser, line_specs
 from services.runs import MetricsLog
 
@@ -65,22 +66,31 @@ def due(version: int, cfg: EvalConfig) -> bool:
     return cfg.every > 0 and version % cfg.every == 0
 
 
-def eval_prompts(lines: list[dict], config: RunConfig) -> list[wire.EvalPrompt]:
+def eval_prompts(lines: list[dict], config: RunConfig, chat: bool | None = None) -> list[wire.EvalPrompt]:
     """The held-out prompts of stored prompt-set ``lines`` under ``config`` (at most
     ``eval.max_prompts``); raises ``services.promptsets.LineError``. No format bonus: a
     completion is correct when the task's own spec scores it 1."""
     lines = lines[: config.eval.max_prompts]
     plain = config.model_copy(update={"reward": config.reward.model_copy(update={"format_weight": 0.0})})
-    return [wire.EvalPrompt(prompt=ln["prompt"], spec=spec)
-            for ln, spec in zip(lines, line_specs(lines, plain), strict=True)]
+    forms = prompt_forms(lines, config, chat)  # as the training set's (services.prompts); chat: the model's template
+    return [wire.EvalPrompt(**form.wire_fields(), spec=spec)
+            for form, spec in zip(forms, line_specs(lines, plain), strict=True)]
 
 
-def load_eval_set(path: Path, config: RunConfig, limit: int | None) -> list[tuple[str, object]]:
-    """(prompt, reward spec) of each held-out line of a local file, as :func:`eval_prompts` builds them."""
+def load_eval_set(path: Path, config: RunConfig, limit: int | None) -> list[wire.EvalPrompt]:
+    """The held-out prompts of a local file, as :func:`eval_prompts` builds them (whether the model has a
+    chat template read from ``model.path``)."""
     parser = LineParser(config.reward.type)
     parser.feed(path.read_bytes())
     lines = parser.finish()[:limit]
-    return [(p.prompt, p.spec) for p in eval_prompts(lines, config)]
+    return eval_prompts(lines, config, chat_template_in(config.model.path))
+
+
+def _generate_fields(prompt: wire.EvalPrompt, config: RunConfig) -> dict:
+    """The ``prompt`` or ``messages`` (with the run's chat-template variables) of a ``GenerateRequest``."""
+    if prompt.messages is not None:
+        return {"messages": prompt.messages, "chat_template_kwargs": config.prompt.chat_template_kwargs}
+    return {"prompt": prompt.prompt}
 
 
 class EvalLog:
@@ -157,11 +167,11 @@ async def evaluate(
     limit = asyncio.Semaphore(concurrency)
     done = 0
 
-    async def one(i: int, prompt: str) -> wire.Sample:
+    async def one(i: int, prompt: wire.EvalPrompt) -> wire.Sample:
         nonlocal done
         async with limit:
             out = await rollout.generate(wire.GenerateRequest(
-                prompt=prompt, n=1, temperature=config.eval.temperature, max_tokens=config.sampling.max_tokens,
+                **_generate_fields(prompt, config), n=1, temperature=config.eval.temperature, max_tokens=config.sampling.max_tokens,
                 stop=config.sampling.stop, seed=i,
             ))
         done += 1
@@ -169,5 +179,5 @@ async def evaluate(
             progress(done)
         return out.samples[0]
 
-    samples = await asyncio.gather(*[one(i, p.prompt) for i, p in enumerate(prompts)])
+    samples = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
     return await score(reward, prompts, [s.text for s in samples], [s.policy_version for s in samples])

@@ -2,6 +2,14 @@
 
 A line is ``{"prompt": str, <reward-spec fields>}``: the spec fields are
 those of one of ``services.reward_specs.RewardSpec``'s types, named by ``"type"``.
+Instead of ``prompt`` a line may carry ``messages`` (chat turns,
+``services.wire.Messages``: ``[{"role": "system"|"user"|"assistant",
+"content": str}, ...]``, the last the user's), or neither: then its fields that
+are not the spec's (``{"question": ..., "answer": ...}`` under ``math``:
+``question``) are its *inputs*, strings or numbers that a run's
+``prompt.template`` fills in. A run turns each form into what the model
+reads (``services.prompts``); the stored line keeps ``prompt``, ``messages``
+or ``inputs`` beside ``spec`` (typed) or ``fields`` (untyped).
 A line without ``"type"`` takes the run config's ``reward.type`` and
 ``reward.extract`` when a run starts (:func:`line_specs`; at upload it is
 checked against ``default_type``). Blank lines are skipped. Errors name the
@@ -25,11 +33,13 @@ from __future__ import annotations
 
 import json
 import math
+from typing import get_args
 
 from pydantic import TypeAdapter, ValidationError
 
 from services.config import RunConfig
 from services.reward_specs import REWARD_TYPES, CombinedSpec, RegexSpec, RewardSpec, WeightedSpec
+from services.wire import Messages
 
 MAX_ERRORS = 20
 """An upload stops being parsed after this many bad lines (the 422 lists them)."""
@@ -42,6 +52,11 @@ INT_RANGE = (-(1 << 63), 1 << 63)
 """Integers a line may hold: [low, high), what msgpack and the other services' JSON readers take."""
 
 SPEC = TypeAdapter(RewardSpec)
+MESSAGES = TypeAdapter(Messages)
+SPEC_FIELDS: dict[str, frozenset[str]] = {
+    cls.model_fields["type"].default: frozenset(cls.model_fields) for cls in get_args(get_args(RewardSpec)[0])
+}
+"""The fields of each reward type's spec: the other fields of a line without prompt or messages are its inputs."""
 
 
 class LineError(ValueError):
@@ -82,13 +97,8 @@ def check_line(obj: object, line: int, default_type: str) -> tuple[dict, list[di
     if not isinstance(obj, dict):
         return {}, [{"line": line, "field": "", "msg": "expected a JSON object"}]
     fields = dict(obj)
-    prompt = fields.pop("prompt", None)
-    errors = []
-    if prompt is None:
-        errors.append({"line": line, "field": "prompt", "msg": "field required"})
-    elif not isinstance(prompt, str) or not prompt:
-        errors.append({"line": line, "field": "prompt", "msg": "must be a non-empty string"})
     typed = "type" in fields
+    form, errors = _prompt_form(fields, line, fields.get("type") if typed else default_type)
     try:
         spec = SPEC.validate_python(fields if typed else {**fields, "type": default_type})
     except ValidationError as e:
@@ -96,8 +106,37 @@ def check_line(obj: object, line: int, default_type: str) -> tuple[dict, list[di
     if errors:
         return {}, errors
     if typed:
-        return {"prompt": prompt, "spec": spec.model_dump(mode="json")}, []
-    return {"prompt": prompt, "fields": fields}, []
+        return {**form, "spec": spec.model_dump(mode="json")}, []
+    return {**form, "fields": fields}, []
+
+
+def _prompt_form(fields: dict, line: int, kind: object) -> tuple[dict, list[dict]]:
+    """Take the prompt form out of ``fields`` (what is left is the spec's): ``({"prompt"|"messages"|"inputs":
+    ...}, errors)``. ``kind`` is the line's reward type (its fields are not inputs)."""
+    has_prompt, has_messages = "prompt" in fields, "messages" in fields
+    prompt, messages = fields.pop("prompt", None), fields.pop("messages", None)
+    if has_prompt and has_messages:
+        return {}, [{"line": line, "field": "messages", "msg": "give either prompt or messages, not both"}]
+    if has_prompt:
+        if not isinstance(prompt, str) or not prompt:
+            return {}, [{"line": line, "field": "prompt", "msg": "must be a non-empty string"}]
+        return {"prompt": prompt}, []
+    if has_messages:
+        try:
+            checked = MESSAGES.validate_python(messages)
+        except ValidationError as e:
+            return {}, [{"line": line, "field": ".".join(["messages", *(str(p) for p in err["loc"])]),
+                         "msg": "unknown field" if err["type"] == "extra_forbidden" else err["msg"]}
+                        for err in e.errors()]
+        return {"messages": [m.model_dump() for m in checked]}, []
+    spec_fields = SPEC_FIELDS.get(kind, frozenset()) if isinstance(kind, str) else frozenset()
+    inputs = {k: fields.pop(k) for k in list(fields) if k not in spec_fields and k != "type"}
+    if not inputs:
+        return {}, [{"line": line, "field": "prompt",
+                     "msg": "field required (or messages, or the fields a run's prompt.template fills in)"}]
+    errors = [{"line": line, "field": k, "msg": "a field for prompt.template must be a string or a number"}
+              for k, v in inputs.items() if not isinstance(v, str | int | float) or isinstance(v, bool)]
+    return {"inputs": inputs}, errors
 
 
 class _NotJSON:
@@ -206,6 +245,7 @@ class LineParser:
         self.lines: list[dict] = []
         self.count = 0
         self.types: dict[str, int] = {}
+        self.forms: dict[str, int] = {}
         self.errors: list[dict] = []
         self.nbytes = 0
         self._partial: list[bytes] = []
@@ -281,6 +321,8 @@ class LineParser:
             self.count += 1
             kind = stored["spec"]["type"] if "spec" in stored else "default"
             self.types[kind] = self.types.get(kind, 0) + 1
+            form = "prompt" if "prompt" in stored else "messages" if "messages" in stored else "template"
+            self.forms[form] = self.forms.get(form, 0) + 1
         return None
 
     def _error(self, e: dict) -> None:
