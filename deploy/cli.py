@@ -525,6 +525,32 @@ def _print_audit(r: dict) -> None:
 
 
 @app.command()
+def export(
+    run: Annotated[str, typer.Argument(help="A run directory (runs/<run_id>, runs/stack/<run_id>) or a run id.")],
+    out: Annotated[Path, typer.Argument(help="The folder to write (new, or empty).")],
+    version: Annotated[str, typer.Option(help="A version number, 'best' (highest held-out score) or 'last'.")] = "last",
+    lora: Annotated[str, typer.Option(help="LoRA runs: 'merged' (full weights) or 'adapter' (a PEFT adapter "
+                                           "folder; runs with publish.lora_format = 'adapter').")] = "merged",
+    max_shard_size: Annotated[str, typer.Option(help="Shard the weights above this size (5GB, 500MB, bytes).")] = "5GB",
+    runs_root: Annotated[Path, typer.Option("--runs", help="Where tandem run leaves run directories.")] = Path("runs"),
+    stack_dir: Annotated[Path, typer.Option(help="The tandem up stack's directory.")] = Path("runs/stack"),
+) -> None:
+    """Write a published weight version as a Hugging Face folder (config, tokenizer, safetensors)
+    that transformers and vLLM load, or a LoRA run's version as a PEFT adapter folder."""
+    from deploy.export import ExportError, choose_version, find_run, parse_size
+    from deploy.export import export as write
+
+    try:
+        found = find_run(run, runs_root, stack_dir)
+        chosen = choose_version(found, version)
+        done = write(found, chosen, out, lora=lora, max_shard_bytes=parse_size(max_shard_size))
+    except ExportError as e:
+        _fail(str(e), code=1)
+    typer.echo(f"run {found.run_id} version {chosen} -> {done.path} ({done.kind}: {', '.join(done.files)})", err=True)
+    typer.echo(str(done.path))
+
+
+@app.command()
 def plan(
     model: Annotated[str, typer.Option("--model", help="Preset, e.g. qwen3-8b-base (case-insensitive).")],
     mode: Annotated[str, typer.Option(help="lora, qlora or full.")] = "lora",
