@@ -38,7 +38,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -228,8 +227,7 @@ class EmbeddedRedis:
     def kill(self) -> None:
         """SIGKILL the server's process group (a crash, for tests): no SIGTERM, so no AOF flush."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            stop_group(self.proc, grace_s=0)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM the server (Redis flushes its AOF), SIGKILL its group if it lingers."""

@@ -1,16 +1,20 @@
-"""Child processes that tandem owns: free ports to give them, and ending them by process group.
+"""Child processes that tandem owns: free ports to give them, and ending them with all they started.
 
-Whoever starts a service, a Redis or a test server starts it in its own
-process group (``start_new_session=True``) with :func:`die_with_parent`, and
-ends it with :func:`stop_group` / :func:`stop_groups`: SIGTERM to the
-process itself (it shuts its own children down in order: the rollout server
-stops vLLM's engine core, Redis flushes its AOF), then, once it exited or
-after a grace period, SIGKILL to the whole group (stragglers). Nothing is
-ever ended by name.
+Whoever starts a service, a Redis, a sandbox or a test server starts it in its own
+process group (``start_new_session=True``, with :func:`die_with_parent` for a
+long-lived service) and ends it here, and nowhere else: :func:`stop_group` /
+:func:`stop_groups` (threads, supervisors, tests) and :func:`stop_group_async`
+(asyncio subprocesses: the sandboxes). Ending one means SIGTERM to the process
+itself (it shuts its own children down in order: the rollout server stops vLLM's
+engine core, Redis flushes its AOF), then, once it exited or after a grace period
+(none: SIGKILL at once), SIGKILL to the whole group (stragglers), then to whatever
+escaped the group but carries its owner's tag (:data:`OWNER_VARIABLE`: torchrun's
+ranks have sessions of their own). Nothing is ever ended by name.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -57,35 +61,63 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def stop_groups(procs: Sequence[subprocess.Popen], grace_s: float = 30.0,
-                on_timeout=None) -> list[int]:
-    """End processes started in their own process groups, all at once; return their exit statuses.
+def stop_groups(procs: Sequence[subprocess.Popen], grace_s: float = 30.0, *,
+                owner: str | None = None, on_timeout=None) -> list[int]:
+    """End processes started in their own process groups, and all they started; return their exit statuses.
 
-    SIGTERM to each process (not its group: a group-wide SIGTERM would kill a child, such as
-    vLLM's engine core, under the process that is shutting it down), a shared deadline of
-    ``grace_s``, then SIGKILL to every group. ``on_timeout(proc)`` is called for each process
-    still running at the deadline.
+    SIGTERM to each process still running (not its group: a group-wide SIGTERM would kill a child,
+    such as vLLM's engine core, under the process that is shutting it down), a shared deadline of
+    ``grace_s``, then SIGKILL to every group; ``grace_s=0`` sends no SIGTERM (a kill, as after a
+    crash). ``on_timeout(proc)`` is called for each process still running at the deadline. With
+    ``owner``, the processes that carry that tag are killed next (:func:`kill_owned`: what left the
+    groups). Returns once the groups are empty too (at most 10 s more), so that what they held
+    (a TMPDIR, a port) is free.
     """
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            if on_timeout is not None:
-                on_timeout(proc)
+    if grace_s > 0:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                if on_timeout is not None:
+                    on_timeout(proc)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    return [proc.wait(timeout=30) for proc in procs]
+    codes = [proc.wait(timeout=30) for proc in procs]
+    if owner is not None:
+        kill_owned(owner)
+    deadline = time.monotonic() + 10
+    while any(group_members(proc.pid) for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return codes
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> int:
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0, *, owner: str | None = None) -> int:
     """:func:`stop_groups` for one process."""
-    return stop_groups([proc], grace_s)[0]
+    return stop_groups([proc], grace_s, owner=owner)[0]
+
+
+async def stop_group_async(proc: asyncio.subprocess.Process, grace_s: float = 0.0) -> int:
+    """:func:`stop_group` for an asyncio subprocess: SIGTERM and up to ``grace_s`` to exit (0, the
+    default: none), then SIGKILL to its group; returns its exit status.
+
+    The group is killed only while the process is not yet reaped: its pid, the group's id, cannot
+    have been given to another process then (the reward server starts a sandbox group per job,
+    many at a time). A sandbox's agent ends its programs itself before it answers."""
+    if proc.returncode is None and grace_s > 0:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.wait(), grace_s)
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return await proc.wait()
 
 
 def group_members(pgid: int) -> list[int]:

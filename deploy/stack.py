@@ -48,7 +48,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -66,8 +65,8 @@ from broker.processes import (
     die_with_parent,
     free_port,
     group_members,
-    kill_owned,
     owned_by,
+    stop_group,
     stop_groups,
 )
 from services.settings import StackSettings
@@ -283,13 +282,9 @@ class Stack:
         """After ``child`` exited: SIGKILL whatever it started that is still alive, in its process
         group or not (vLLM's engine core outlives a rollout server killed -9; torchrun's ranks have
         sessions of their own), and empty its temporary directory; how many were left."""
-        left = set(group_members(child.proc.pid)) | set(owned_by(self._owner_tag(child)))
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.proc.pid, signal.SIGKILL)
-        kill_owned(self._owner_tag(child))
-        deadline = time.monotonic() + 10
-        while group_members(child.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        tag = self._owner_tag(child)
+        left = set(group_members(child.proc.pid)) | set(owned_by(tag))
+        stop_group(child.proc, grace_s=0, owner=tag)
         self._fresh_tmp(child)
         return len(left)
 
@@ -329,12 +324,12 @@ class Stack:
             self._stopping.set()
             started = [c for c in self.children.values() if c.proc is not None]
             names = {c.proc.pid: c.name for c in started}
-            stop_groups([c.proc for c in reversed(started)], self.settings.stop_grace_s,
+            # the stack's tag: what left its process group too (torchrun's ranks)
+            stop_groups([c.proc for c in reversed(started)], self.settings.stop_grace_s, owner=self._owner_tag(),
                         on_timeout=lambda p: self.echo(f"[stack] {names[p.pid]} ignored SIGTERM; killing it"))
             for child in started:
                 if child.log_thread is not None:
                     child.log_thread.join(timeout=5)
-            kill_owned(self._owner_tag())  # what left its process group (torchrun's ranks)
             if self._tmp_root is not None:
                 shutil.rmtree(self._tmp_root, ignore_errors=True)
                 self._tmp_root = None

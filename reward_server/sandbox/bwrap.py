@@ -32,14 +32,13 @@ Each job is one ``bwrap`` process (≈0.01 s to start) running the agent in
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import shutil
-import signal
 import subprocess
 
+from broker.processes import stop_group_async
 from reward_server.sandbox.base import (
     GUEST_MOUNT,
     Job,
@@ -198,10 +197,7 @@ class BwrapSandbox(Sandbox):
 
     async def _end(self, proc: asyncio.subprocess.Process) -> None:
         # The agent exits after answering; the kill covers a wedged one (its namespace dies with it).
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+        await stop_group_async(proc)
         self._procs.discard(proc)
 
     async def close(self) -> None:

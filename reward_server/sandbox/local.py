@@ -8,13 +8,12 @@ without gVisor or bubblewrap; the server says so loudly at start-up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
 
+from broker.processes import stop_group_async
 from reward_server.sandbox.base import (
     Job,
     RunOutcome,
@@ -58,10 +57,7 @@ class LocalSandbox(Sandbox):
         except (BrokenPipeError, ConnectionResetError, TimeoutError) as e:
             raise SandboxError(f"local agent failed: {e!r}") from e
         finally:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await stop_group_async(proc)  # the agent exits after answering; this ends a wedged one
 
     async def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
