@@ -140,6 +140,16 @@ group or session it moves to: torchrun's ranks, vLLM's engine core), so that
 :func:`owned_by` finds them all even after their parent died."""
 
 
+def owner_tag(name: str) -> str:
+    """The tag for the processes a new owner starts: ``name`` below the tag this process carries, if any.
+
+    A stack or a learner started by a test session stays the session's (``owned_by(session)`` finds
+    its processes too: the session kills them if it is killed itself) and keeps a tag of its own for
+    its own cleanup."""
+    inherited = os.environ.get(OWNER_VARIABLE)
+    return f"{inherited}/{name}" if inherited else name
+
+
 def owned_by(tag: str) -> list[int]:
     """Live processes whose environment carries ``OWNER_VARIABLE=tag`` (or a tag below it: ``tag/...``)."""
     want = f"{OWNER_VARIABLE}={tag}".encode()

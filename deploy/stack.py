@@ -66,6 +66,7 @@ from broker.processes import (
     free_port,
     group_members,
     owned_by,
+    owner_tag,
     stop_group,
     stop_groups,
 )
@@ -137,7 +138,7 @@ class Stack:
         self._info_owner: int | None = None  # the pid write_info recorded: stack.json is kept current
         self.redis_restarts = 0
         self._tmp_root: Path | None = None  # the services' TMPDIRs (mkdtemp, 0700), removed at stop
-        self._tag = f"{os.getpid()}-{secrets.token_hex(4)}"  # marks every process this stack starts
+        self._tag = owner_tag(f"{os.getpid()}-{secrets.token_hex(4)}")  # marks every process this stack starts
 
     # -- start -------------------------------------------------------------
 

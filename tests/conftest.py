@@ -2,11 +2,19 @@
 
 Per-service fixtures (a shared vLLM engine, a reward server, ...) live in
 ``tests/fixtures/*.py`` and are loaded as plugins from here.
+
+Every process the session starts dies with it, even when pytest is killed: the session's owner tag
+is in the environment every child inherits, and ``tests/reaper.py`` kills what carries it once
+pytest is gone (:func:`pytest_configure`); the fixtures' direct children also get a parent-death
+signal (``broker.processes.die_with_parent``).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -23,6 +31,23 @@ pytest_plugins = sorted(
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """Tag the session (below the tag pytest itself may carry) and start its reaper, from the main
+    thread, before any fixture starts a process. The reaper runs in a session of its own and without
+    the tag: it outlives pytest by design, and ends once it has reaped."""
+    from broker.processes import OWNER_VARIABLE, owner_tag
+
+    if getattr(config, "_tandem_reaper", None) is not None:
+        return
+    tag = owner_tag(f"pytest-{os.getpid()}-{secrets.token_hex(4)}")
+    env = {k: v for k, v in os.environ.items() if k != OWNER_VARIABLE}
+    config._tandem_reaper = subprocess.Popen(
+        [sys.executable, "-m", "tests.reaper", str(os.getpid()), tag], cwd=ROOT, env=env,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    os.environ[OWNER_VARIABLE] = tag
 
 
 def _tree(path: Path) -> set[tuple[str, int]]:
@@ -75,7 +100,8 @@ def keys():
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    """A random 2-layer Qwen3 (char tokenizer, ~0.1M parameters) saved in HF format."""
-    from examples.tiny import tiny_qwen3
+    """A random 2-layer Qwen3 (char tokenizer, ~0.1M parameters) saved in HF format. Its tokenizer has
+    ``examples.tiny.CHAT_TEMPLATE``, so the session's engine serves chat messages too."""
+    from examples.tiny import CHAT_TEMPLATE, tiny_qwen3
 
-    return tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0)
+    return tiny_qwen3(tmp_path_factory.mktemp("models") / "tiny-qwen3", seed=0, chat_template=CHAT_TEMPLATE)

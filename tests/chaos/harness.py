@@ -38,7 +38,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from broker.processes import group_members
+from broker.processes import die_with_parent, group_members
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
@@ -158,6 +158,7 @@ class ChaosStack:
         self.up = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "up", "--config", str(self.config_path), "--run-dir", str(self.dir)],
             env=self.env, stdout=open(self.tmp / "up.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while not (self.dir / "stack.json").exists():

@@ -36,7 +36,7 @@ import pytest
 
 from broker import Keys, connect
 from broker.ledger import Ledger
-from broker.processes import group_members
+from broker.processes import die_with_parent, group_members
 from deploy.audit import audit_file
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
@@ -142,6 +142,7 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     up = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "up", "--config", str(cfg_path), "--run-dir", str(stack_dir)],
         env=env, stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=die_with_parent,
     )
     info_file = stack_dir / "stack.json"
     try:

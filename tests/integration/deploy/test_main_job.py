@@ -48,12 +48,16 @@ def _tandem_run(config: Path, runs: Path, env: dict[str, str], timeout_s: float)
 
 
 def _owned_by_pid(pid: int) -> list[int]:
-    """Live processes a stack started by process ``pid`` left (its tag is ``PID-...``)."""
-    want = f"{OWNER_VARIABLE}={pid}-".encode()
+    """Live processes a stack started by process ``pid`` left (its tag is ``PID-...``, below the session's)."""
+    variable, mine = f"{OWNER_VARIABLE}=".encode(), f"{pid}-".encode()
+
+    def stack_tag(value: bytes) -> bool:
+        return value.startswith(variable) and any(s.startswith(mine) for s in value[len(variable):].split(b"/"))
+
     left = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and any(v.startswith(want) for v in (entry / "environ").read_bytes().split(b"\0")):
+            if entry.name.isdigit() and any(stack_tag(v) for v in (entry / "environ").read_bytes().split(b"\0")):
                 if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
                     left.append(int(entry.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
