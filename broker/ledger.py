@@ -38,11 +38,11 @@ the run ends, and :mod:`deploy.audit` checks either.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from broker.files import write_atomic
 from broker.keys import Keys
 
 LEDGER_FILE = "ledger.jsonl"
@@ -92,13 +92,7 @@ class Ledger:
     async def export(self, path: Path) -> int:
         """Write every entry to ``path`` (JSON lines), atomically; returns how many."""
         records = await self.read()
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            for r in records:
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
         return len(records)
 
 

@@ -60,6 +60,7 @@ from pathlib import Path
 import httpx
 
 from broker.embedded import EmbeddedRedis
+from broker.files import write_atomic
 from broker.processes import (
     OWNER_VARIABLE,
     die_with_parent,
@@ -375,12 +376,7 @@ class Stack:
                 "services": {name: c.proc.pid for name, c in self.children.items() if c.proc is not None}
                 | ({"redis": self.redis.proc.pid} if self.redis is not None and self.redis.proc else {})}
         path = self.run_dir / STACK_FILE
-        tmp = path.with_name(f".{STACK_FILE}.{os.getpid()}.tmp")
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(info))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(info), mode=0o600)
         return path
 
     def _rewrite_info(self) -> None:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from broker.files import write_atomic
 from learner.batch import TrainSeq, collate, pack
 from learner.loss import LossStats, token_entropy, token_logprobs, token_loss
 from services import watchdog
@@ -462,8 +463,8 @@ class Engine:
             raise
         torch.distributed.barrier()
         if self.rank == 0:
-            _atomic_write(tag_dir / STATE_FILE, json.dumps(state))
-            _atomic_write(ckpt_dir / POINTER, tag)
+            write_atomic(tag_dir / STATE_FILE, json.dumps(state))
+            write_atomic(ckpt_dir / POINTER, tag)
             tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step")), key=_tag_step)
             for old in tags[:-keep]:
                 if old.name != tag:
@@ -518,15 +519,6 @@ def crash_point(point: str, step: int, marker_dir: Path) -> None:
 def _tag_step(p: Path) -> int:
     digits = p.name.removeprefix("step")
     return int(digits) if digits.isdigit() else -1
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def seed_everything(seed: int) -> None:

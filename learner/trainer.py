@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker.admission import lag
+from broker.files import write_atomic
 from broker.ledger import LEDGER_FILE
 from learner.feeder import DataTimeout
 from learner.ranks import RankChannel, RankCommand, receive
@@ -541,9 +542,7 @@ def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:
 
 def _write_json(path: Path, data: dict) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically (a reader sees the old file or the new)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def _held(record: list):
