@@ -17,7 +17,7 @@ EXTRAS := cpu,learner,reward,report,modal,data
 # SLOW_FILES are under tests/integration/ (tests/<unit|integration>/<package>/test_<behaviour>.py).
 SLOW_FILES := rollout_server/test_http rollout_server/test_actor rollout_server/test_process rollout_server/test_models \
 	rollout_server/test_logprobs_modes learner/test_engine learner/test_service learner/test_publish_to_vllm \
-	control_plane/test_dashboard bench/test_gpu learner/test_volume_sync
+	control_plane/test_dashboard bench/test_gpu learner/test_volume_sync rollout_server/test_chat_prompts
 FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
 
 .PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation

@@ -15,14 +15,22 @@ from pathlib import Path
 
 SPECIAL = ["<pad>", "<bos>", "<eos>"]
 DEFAULT_ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+)
+"""A small Jinja chat template in the shape of Qwen3's (roles as tags, ``enable_thinking`` closes an
+empty think block): ``<bos><|system|>S\n<|user|>U\n<|assistant|>``. Every character is in
+:data:`DEFAULT_ALPHABET`, so a rendered chat is one token per character (``<bos>`` one token)."""
 
 
-def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+def char_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None):
     """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet``.
 
     Ids 0-2 are ``<pad>``, ``<bos>``, ``<eos>``. Unknown characters are
-    dropped rather than mapped to an unknown token. No chat template:
-    prompts are plain text.
+    dropped rather than mapped to an unknown token. No chat template unless
+    ``chat_template`` is given (e.g. :data:`CHAT_TEMPLATE`): prompts are plain text.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -35,7 +43,7 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", chat_template=chat_template
     )
 
 
@@ -53,17 +61,19 @@ def tiny_qwen3(
     alphabet: str = DEFAULT_ALPHABET,
     dtype: str = "float32",
     tie_embeddings: bool = True,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a random Qwen3 causal LM and its char tokenizer to ``out``; return the path.
 
     ``tie_embeddings=False`` gives the model its own ``lm_head`` (vLLM's CPU
     in-place reload does not refresh a tied head by itself; rollout_server/worker_ext.py re-ties it).
+    ``chat_template`` gives the tokenizer one (:data:`CHAT_TEMPLATE`, say).
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out)
-    tokenizer = char_tokenizer(alphabet)
+    tokenizer = char_tokenizer(alphabet, chat_template)
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
