@@ -1,10 +1,13 @@
-"""What a Modal container runs: the ``tandem serve`` command line, owned by the container.
+"""The ``tandem serve`` command lines, built here only, and how a Modal container owns the one it runs.
 
-A rollout container and a learner node run the very command a local
+:func:`serve_argv` and :func:`torchrun_argv` are the command lines of every service process: the
+local stack (``deploy.stack``) starts each service with them, a Modal container
+(``deploy.modal_app``) runs them, and the learner's test fixture starts the learner the way the
+stack does. A rollout container and a learner node run the very command a local
 operator types (``tandem serve rollout --config RUN.toml``;
 ``torchrun ... -m deploy.cli serve learner --config RUN.toml``), so the CLI's
 settings checks, auth check and config loading apply unchanged. The
-container owns that process: it starts it in its own process group and,
+container owns that process (:func:`start`, :func:`run`): it starts it in its own process group and,
 when it exits, the container exits with its status, so Modal replaces the
 container instead of routing to a dead port.
 
@@ -21,7 +24,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 
 CONTAINER_ROOT = PurePosixPath("/")
 """The repository root inside a container (``runs/`` there is the mounted volume ``/runs``)."""
@@ -36,22 +39,33 @@ def container_path(local: Path, repo_root: Path) -> PurePosixPath:
     return CONTAINER_ROOT.joinpath(*rel.parts)
 
 
-def serve_argv(service: str, config: str | PurePosixPath) -> list[str]:
-    """``tandem serve SERVICE --config CONFIG`` as this interpreter runs it (host, port: TANDEM_HOST/PORT)."""
-    return [sys.executable, "-m", "deploy.cli", "serve", service, "--config", str(config)]
+def serve_argv(service: str, config: str | PurePath | None = None, *, port: int | None = None) -> list[str]:
+    """``tandem serve SERVICE [--port PORT] [--config CONFIG]`` as this interpreter runs it (without a
+    port: TANDEM_PORT, as in a container; without a config: the service's default)."""
+    argv = [sys.executable, "-m", "deploy.cli", "serve", service]
+    if port is not None:
+        argv += ["--port", str(port)]
+    if config is not None:
+        argv += ["--config", str(config)]
+    return argv
 
 
-def torchrun_argv(*, nodes: int, node_rank: int, master_addr: str | None, nproc_per_node: int,
-                  config: str | PurePosixPath) -> list[str]:
-    """Every learner rank on this node: ``torchrun ... -m deploy.cli serve learner --config CONFIG``
-    (rank 0 serves HTTP; see ``deploy.cli.serve``). One node: no master address (torchrun's local default)."""
+def torchrun_argv(*, nproc_per_node: int, config: str | PurePath | None = None, port: int | None = None,
+                  nodes: int = 1, node_rank: int = 0, master_addr: str | None = None,
+                  master_port: int | None = None) -> list[str]:
+    """Every learner rank on this node: ``torchrun ... -m deploy.cli serve learner [--port PORT] [--config
+    CONFIG]`` (rank 0 serves HTTP; see ``deploy.cli.serve``). One node: no master address (torchrun's
+    local default); ``master_port``: the rendezvous port (torchrun's default, 29500, when None), which
+    two jobs on one host must not share."""
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
             f"--nproc-per-node={nproc_per_node}", f"--node-rank={node_rank}"]
     if nodes > 1:
         if not master_addr:
             raise ValueError("a multi-node learner needs rank 0's address")
         argv.append(f"--master-addr={master_addr}")
-    return argv + ["-m", *serve_argv("learner", config)[2:]]
+    if master_port is not None:
+        argv.append(f"--master-port={master_port}")
+    return argv + ["-m", *serve_argv("learner", config, port=port)[2:]]
 
 
 def start(argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:

@@ -49,7 +49,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -71,6 +70,7 @@ from broker.processes import (
     stop_group,
     stop_groups,
 )
+from deploy.launch import serve_argv, torchrun_argv
 from services.settings import StackSettings
 
 SERVICES = ("reward", "control", "rollout", "learner")
@@ -160,13 +160,11 @@ class Stack:
             env = self._env(ports)
             for name in names:
                 kind = name.split("-")[0]
-                launcher = [sys.executable, "-m"]
                 if kind == "learner" and self.settings.learner_ranks > 1:
-                    launcher = [str(Path(sys.executable).with_name("torchrun")), "--nproc_per_node",
-                                str(self.settings.learner_ranks), "--master_port", str(free_port()), "-m"]
-                args = [*launcher, "deploy.cli", "serve", kind, "--port", str(ports[name])]
-                if self.config is not None:
-                    args += ["--config", str(self.config)]
+                    args = torchrun_argv(nproc_per_node=self.settings.learner_ranks, master_port=free_port(),
+                                         config=self.config, port=ports[name])
+                else:
+                    args = serve_argv(kind, self.config, port=ports[name])
                 own_env = {k: v for k, v in env.items() if k != "REDIS_URL"} if kind in _RUNS_SANDBOXES else env
                 self.children[name] = Child(name, ports[name], own_env, args)
             # every service needs only Redis to start (the rollout server calls the reward server once
