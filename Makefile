@@ -76,7 +76,7 @@ $(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
 	@touch $@
 
 $(STAMPS)/dev: $(STAMPS)/install
-	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),dev]'
+	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),trackers,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 

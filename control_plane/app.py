@@ -39,6 +39,7 @@ from broker.embedded import EmbeddedRedis
 from control_plane.dashboard import router as dashboard_router
 from control_plane.groups import build_groups, enqueue
 from control_plane.prompt_sets import PromptSetStore
+from control_plane.trackers import TrackerHub
 from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.evaluate import EvalLog, eval_prompts
@@ -157,12 +158,14 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
         groups = build_groups(run_id, lines, config, chat)
     except LineError as e:
         raise ServiceError(422, f"prompt set {body.prompt_set_id} under this config: {e}", errors=e.errors) from None
+    await state.trackers.open(run_id, config)  # 422 naming a tracker that cannot start (control_plane.trackers)
     # stored before the run is visible: a rollout server evaluates version 0 as soon as it sees the run
     await EvalLog(state.redis, Keys(run_id)).store_prompts(held_out)
     try:
         await state.runs.create(run_id, body.prompt_set_id, config.model_dump(mode="json"))
     except (RunConflict, ValueError):
         await state.redis.delete(Keys(run_id).eval_prompts)  # the run never existed
+        await state.trackers.discard(run_id)
         raise
     try:
         count = await enqueue(state.redis, Keys(run_id), groups)
@@ -297,9 +300,11 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
         app.state.redis = redis
         app.state.runs = RunStore(redis)
         app.state.prompt_sets = PromptSetStore(redis, settings)
+        app.state.trackers = TrackerHub(redis, settings.run_dir).start()
         try:
             yield
         finally:
+            await app.state.trackers.stop()
             await redis.aclose()
             if embedded is not None:
                 embedded.stop()

@@ -1,0 +1,479 @@
+"""Experiment trackers: a run's config and metrics in TensorBoard, Weights & Biases and MLflow.
+
+Where this runs, and why there: in the control plane, one follower per control plane
+(:class:`TrackerHub`, started by its lifespan). Every run, whether ``tandem run`` started it
+or ``tandem submit`` on a ``tandem up`` stack, is created by the control plane's ``POST
+/v1/runs``, so that is where a tracker that cannot start can refuse the run before anything
+trains (422 naming the tracker), and the control plane already reads each run's metrics for
+the dashboard. The learner, the rollout servers and the evaluator need not know trackers exist:
+they append to the run's metrics stream (``services.runs.MetricsLog``) as before, and the hub
+reads that stream from a cursor and logs each point. The tracker libraries are imported only
+by a control plane whose runs ask for them, and their calls run in a worker thread, so the
+event loop keeps serving the API and the dashboard.
+
+A run's trackers:
+
+- are opened by ``POST /v1/runs`` (:meth:`TrackerHub.open`) before the run is registered;
+  a library that is missing, a bad setting (an MLflow URI nobody answers, W&B online without an
+  API key) fails the creation with the tracker's own error, and no run exists;
+- log the run config once, flattened to dotted keys (``learner.lr``), as hyperparameters
+  (TensorBoard's hparams plugin, W&B's run config, MLflow's params);
+- log every metric point the run's stream holds, as ``<group>/<name>`` at the point's step: group
+  ``train`` for the learner (reward, loss, KL, entropy, clip fraction, importance weights, grad
+  norm, lr, lag, stale and zero-variance drops, tokens/s, idle fraction: ``learner.trainer``'s
+  point), ``eval`` for held-out evaluation (step = the version evaluated; accuracy and whatever
+  else the evaluator records), and the rollout server's id (``rollout``, ``rollout-2``: tokens/s,
+  idle fraction; step = the version it serves). Metrics added to the stream later (reward
+  components) are logged too, under their own names. In W&B each group has its own step
+  metric (``train/step``, ``eval/step``, ...), since the groups' steps do not rise together;
+- are closed when the run has ended and no point came for ``logging.close_after_s`` (the main
+  job's final evaluation comes after the learner finishes), when another run becomes active, or
+  when the control plane stops (W&B's run finishes with exit code 1 if the run failed; MLflow's
+  becomes FINISHED, FAILED or KILLED for a stopped run; one still running stays RUNNING).
+
+A tracker whose call raises mid-run is reported (a log line and an incident of the run, which
+``tandem status`` and the dashboard show) and dropped for the rest of the run; the other
+trackers and training go on. The hub follows the newest run: the active one, or the last run
+if none is active. A control plane restarted mid-run (or after the run ended, before its trackers
+were closed) opens that run's trackers again (W&B resumes the run of the same id, MLflow the run
+tagged with the run id, TensorBoard adds an event file) and goes on from the cursor in
+``<dir>/<run_id>.cursor`` (a point logged just before a crash may be logged twice); trackers
+closed after their run ended leave ``<dir>/<run_id>.closed`` and are not opened again.
+
+Files (``logging.dir``, default ``<run dir>/<run_id>/trackers``): ``tensorboard/<run_id>/``
+(event files), ``wandb/`` (W&B's run files; offline runs upload with ``wandb sync``),
+``mlflow.db`` (MLflow's default store here: SQLite, since MLflow 3 refuses its plain file store
+unless ``MLFLOW_ALLOW_FILE_STORE=true``; artifacts in ``mlflow-artifacts/``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import logging
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import get_args
+
+from broker import Keys
+from broker.streams import raise_if_cancelled
+from services.app import ServiceError
+from services.config import LoggingConfig, RunConfig, parse_run_config
+from services.runs import MetricsLog, RunStore
+from services.watchdog import IncidentLog, incident
+from services.wire import TERMINAL_STATES, MetricPoint
+
+log = logging.getLogger("tandem.trackers")
+
+TRACKERS: tuple[str, ...] = get_args(get_args(LoggingConfig.model_fields["trackers"].annotation)[0])
+"""The trackers ``logging.trackers`` may name, each imported as the module of the same name."""
+SOURCE = "control:trackers"
+"""Who records a tracker's incidents."""
+STOP_WAIT_S = 10.0
+"""How long a stopping control plane lets a poll in progress (a tracker opening) finish."""
+READ_BATCH = 1000
+"""Metric points read from the stream (and handed to the trackers) at a time."""
+_KEY = re.compile(r"[^A-Za-z0-9_.-]")
+_MLFLOW_PARAMS = 100  # per log_batch call (MLflow's limit)
+_MLFLOW_METRICS = 1000
+_MLFLOW_PARAM_CHARS = 6000
+
+
+class TrackerError(Exception):
+    """A tracker that cannot start; the message names it and says why."""
+
+
+def preflight(config: RunConfig) -> None:
+    """Raise :class:`TrackerError` if a tracker the config names is not installed here (cheap: no import)."""
+    missing = [name for name in config.logging.trackers if importlib.util.find_spec(name) is None]
+    if missing:
+        raise TrackerError(f"logging.trackers: {', '.join(missing)} not installed here "
+                           "(pip install 'tandem[trackers]')")
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, str | int | float | bool]:
+    """``{"learner": {"lr": 1e-5}}`` -> ``{"learner.lr": 1e-05}``; lists and None become strings."""
+    out: dict[str, str | int | float | bool] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out |= flatten(v, key + ".")
+        elif isinstance(v, bool | int | float | str):
+            out[key] = v
+        else:
+            out[key] = json.dumps(v)
+    return out
+
+
+def group_of(source: str) -> str:
+    """The name group of a metric point's source: ``train``, ``eval`` or the rollout server's id."""
+    if source == "learner":
+        return "train"
+    if source.startswith("rollout:"):
+        return _KEY.sub("_", source.removeprefix("rollout:")) or "rollout"
+    return _KEY.sub("_", source)
+
+
+def tracker_dir(config: RunConfig, run_dir: Path, run_id: str) -> Path:
+    """Where the run's tracker files go (``logging.dir``, relative to ``run_dir``)."""
+    chosen = config.logging.dir
+    return run_dir / run_id / "trackers" if chosen is None else run_dir / chosen  # an absolute one wins
+
+
+# -- the trackers ---------------------------------------------------------------------------------
+
+
+class Tracker:
+    """One tracker of one run. Its methods block (library calls): the hub runs them in a thread."""
+
+    name = ""
+
+    def log(self, points: list[MetricPoint]) -> None:
+        raise NotImplementedError
+
+    def close(self, state: str) -> None:
+        raise NotImplementedError
+
+
+class TensorBoard(Tracker):
+    """Event files under ``<dir>/tensorboard/<run_id>``, written with TensorBoard's own writer; the
+    config as the hparams plugin's session start (what ``SummaryWriter.add_hparams`` writes)."""
+
+    name = "tensorboard"
+
+    def __init__(self, root: Path, run_id: str, hparams: dict) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._event, self._summary = Event, Summary
+        self.logdir = root / "tensorboard" / run_id
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        self.writer = EventFileWriter(str(self.logdir))
+        self.writer.add_event(Event(wall_time=time.time(), step=0, summary=self._hparams(hparams)))
+        self.writer.flush()
+
+    def _hparams(self, hparams: dict):
+        from tensorboard.compat.proto.summary_pb2 import SummaryMetadata
+        from tensorboard.plugins.hparams.metadata import (
+            PLUGIN_DATA_VERSION,
+            PLUGIN_NAME,
+            SESSION_START_INFO_TAG,
+        )
+        from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionStartInfo
+
+        ssi = SessionStartInfo()
+        for k, v in hparams.items():
+            if isinstance(v, bool):  # before int: a bool is an int
+                ssi.hparams[k].bool_value = v
+            elif isinstance(v, int | float):
+                ssi.hparams[k].number_value = v
+            else:
+                ssi.hparams[k].string_value = str(v)
+        content = HParamsPluginData(session_start_info=ssi, version=PLUGIN_DATA_VERSION).SerializeToString()
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME, content=content))
+        return self._summary(value=[self._summary.Value(tag=SESSION_START_INFO_TAG, metadata=meta)])
+
+    def log(self, points: list[MetricPoint]) -> None:
+        for p in points:
+            group = group_of(p.source)
+            values = [self._summary.Value(tag=f"{group}/{k}", simple_value=v) for k, v in p.values.items()]
+            self.writer.add_event(self._event(wall_time=p.t, step=p.step, summary=self._summary(value=values)))
+        self.writer.flush()
+
+    def close(self, state: str) -> None:
+        self.writer.close()
+
+
+class WandB(Tracker):
+    """A W&B run with the tandem run's id (``wandb.init(id=run_id, resume="allow")``), its files
+    under ``<dir>/wandb``; W&B's system metrics are off (they would describe the control plane)."""
+
+    name = "wandb"
+
+    def __init__(self, root: Path, run_id: str, cfg: LoggingConfig, project: str, config: dict) -> None:
+        import wandb
+
+        root.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project, entity=cfg.wandb_entity, name=run_id, id=run_id, dir=str(root), mode=cfg.wandb_mode,
+            config=config, resume="allow", reinit="create_new",
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        )
+        self.groups: set[str] = set()
+
+    def log(self, points: list[MetricPoint]) -> None:
+        for p in points:
+            group = group_of(p.source)
+            if group not in self.groups:  # each group against its own step: they do not rise together
+                self.run.define_metric(f"{group}/step")
+                self.run.define_metric(f"{group}/*", step_metric=f"{group}/step")
+                self.groups.add(group)
+            self.run.log({f"{group}/step": p.step, **{f"{group}/{k}": v for k, v in p.values.items()}})
+
+    def close(self, state: str) -> None:
+        self.run.finish(exit_code=1 if state == "failed" else 0)
+
+
+class MLflow(Tracker):
+    """An MLflow run tagged ``tandem.run_id`` in experiment ``project`` (found again on a restart)."""
+
+    name = "mlflow"
+    STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+
+    def __init__(self, root: Path, run_id: str, cfg: LoggingConfig, project: str, params: dict) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        root.mkdir(parents=True, exist_ok=True)
+        default = cfg.mlflow_tracking_uri is None
+        self.client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}" if default
+                                   else cfg.mlflow_tracking_uri)
+        exp = self.client.get_experiment_by_name(project)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+            project, artifact_location=(root / "mlflow-artifacts").as_uri() if default else None)
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`tandem.run_id` = '{run_id}'", max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        self.run_id = self.client.create_run(exp_id, run_name=run_id, tags={"tandem.run_id": run_id}).info.run_id
+        items = [Param(k, str(v)[:_MLFLOW_PARAM_CHARS]) for k, v in params.items()]
+        for i in range(0, len(items), _MLFLOW_PARAMS):
+            self.client.log_batch(self.run_id, params=items[i:i + _MLFLOW_PARAMS])
+
+    def log(self, points: list[MetricPoint]) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(f"{group_of(p.source)}/{k}", v, int(p.t * 1000), p.step)
+                   for p in points for k, v in p.values.items()]
+        for i in range(0, len(metrics), _MLFLOW_METRICS):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_METRICS])
+
+    def close(self, state: str) -> None:
+        if state in self.STATUS:  # a run still going stays RUNNING (the control plane restarts)
+            self.client.set_terminated(self.run_id, self.STATUS[state])
+
+
+def open_trackers(config: RunConfig, run_id: str, root: Path) -> list[Tracker]:
+    """Start each tracker ``config.logging`` names (blocking). Raises :class:`TrackerError` naming the
+    one that could not start, after closing those already started."""
+    preflight(config)
+    cfg = config.logging
+    raw = config.model_dump(mode="json")
+    project = cfg.project or config.name
+    opened: list[Tracker] = []
+    for name in cfg.trackers:
+        try:
+            if name == "tensorboard":
+                opened.append(TensorBoard(root, run_id, flatten(raw)))
+            elif name == "wandb":
+                opened.append(WandB(root, run_id, cfg, project, raw))
+            else:
+                opened.append(MLflow(root, run_id, cfg, project, flatten(raw)))
+        except Exception as e:  # any failure of the library to start: named, and the run is not created
+            for t in opened:
+                _close_quietly(t, "failed")
+            raise TrackerError(f"logging.trackers: {name} cannot start: {type(e).__name__}: {e}") from e
+    return opened
+
+
+def _close_quietly(tracker: Tracker, state: str) -> str | None:
+    """Close ``tracker``; the error's text if that failed (reported by the caller)."""
+    try:
+        tracker.close(state)
+    except Exception as e:  # a tracker that fails to close is reported, never fatal to the hub
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# -- the follower ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Following:
+    """One run's open trackers and how far its metrics stream has been logged."""
+
+    run_id: str
+    config: RunConfig
+    root: Path
+    trackers: list[Tracker]
+    cursor: str | None = None
+    last_point: float = field(default_factory=time.monotonic)
+
+    @property
+    def cursor_file(self) -> Path:
+        return self.root / f"{self.run_id}.cursor"
+
+
+class TrackerHub:
+    """The control plane's follower of the active run's metrics into its trackers (module docstring)."""
+
+    def __init__(self, redis, run_dir: Path, *, poll_s: float = 1.0) -> None:
+        self.redis = redis
+        self.runs = RunStore(redis)
+        self.run_dir = Path(run_dir)
+        self.poll_s = poll_s
+        self.current: Following | None = None
+        self._opened: dict[str, Following] = {}  # by POST /v1/runs, not yet picked up by the loop
+        self._skipped: set[str] = set()  # runs without trackers, or whose trackers could not reopen
+
+    async def open(self, run_id: str, config: RunConfig) -> None:
+        """Start the trackers of a run about to be created; ``ServiceError`` 422 if one cannot start
+        (409 first if another run is active: no tracker run is started for a run that is refused)."""
+        if not config.logging.trackers:
+            return
+        active = await self.runs.active()
+        if active is not None:
+            raise ServiceError(409, f"run {active.run_id} is {active.state}: one run at a time; stop it first")
+        root = tracker_dir(config, self.run_dir, run_id)
+        try:
+            trackers = await asyncio.to_thread(open_trackers, config, run_id, root)
+        except TrackerError as e:
+            raise ServiceError(422, str(e)) from None
+        self._opened[run_id] = Following(run_id, config, root, trackers)
+
+    async def discard(self, run_id: str) -> None:
+        """The run was not created after all: close the trackers :meth:`open` started for it."""
+        following = self._opened.pop(run_id, None)
+        if following is not None:
+            await asyncio.to_thread(lambda: [_close_quietly(t, "failed") for t in following.trackers])
+
+    def start(self) -> TrackerHub:
+        """Follow runs in a task of the running event loop until :meth:`stop`."""
+        self._stopping = asyncio.Event()
+        self._task = asyncio.create_task(self.run(), name="trackers")
+        return self
+
+    async def stop(self) -> None:
+        """Let the poll in progress finish (at most :data:`STOP_WAIT_S`), then log what is left of the
+        current run and close its trackers."""
+        self._stopping.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), STOP_WAIT_S)
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.aclose()
+
+    async def run(self) -> None:
+        """Follow runs until :meth:`stop`."""
+        while not self._stopping.is_set():
+            try:
+                await self.tick()
+            except Exception:  # Redis unavailable a moment: the next tick tries again
+                log.exception("trackers: following the run's metrics failed; retrying")
+            raise_if_cancelled()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.poll_s)
+
+    async def tick(self) -> None:
+        """One poll: pick up the newest run (the active one, if any; or one that ended while no control
+        plane followed it), log the current run's new points, close its trackers when it is done."""
+        newest = await self.runs.list(1)
+        if newest and newest[0].run_id not in self._skipped and (
+                self.current is None or self.current.run_id != newest[0].run_id):
+            await self._close_current()
+            self.current = await self._take(newest[0].run_id, newest[0].config)
+        following = self.current
+        if following is None:
+            return
+        await self._pump(following)
+        if not following.trackers:  # every one failed (each reported): none is reopened for this run
+            self._skipped.add(following.run_id)
+            self.current = None
+            return
+        state = (await self.runs.get(following.run_id)).state
+        if state in TERMINAL_STATES and time.monotonic() - following.last_point >= \
+                following.config.logging.close_after_s:
+            await self._close_current(state)
+
+    async def aclose(self) -> None:
+        """Log what is left of the current run and close its trackers (the control plane stops)."""
+        if self.current is not None:
+            try:
+                await self._pump(self.current)
+            finally:
+                state = (await self.runs.get(self.current.run_id)).state
+                await self._close_current(state if state in TERMINAL_STATES else "running")
+        for run_id in list(self._opened):
+            await self.discard(run_id)
+        wandb = sys.modules.get("wandb")
+        if wandb is not None:  # W&B was used here: end its service process
+            await asyncio.to_thread(wandb.teardown)
+
+    async def _take(self, run_id: str, raw_config: dict) -> Following | None:
+        """The trackers of the newest run: those ``POST /v1/runs`` opened, else (the control plane
+        restarted during the run, or after it ended but before its trackers were closed) opened
+        again now; None if it has none, or they were closed after it ended."""
+        if run_id in self._opened:
+            return self._opened.pop(run_id)
+        config = parse_run_config(raw_config, f"run {run_id}")
+        root = tracker_dir(config, self.run_dir, run_id)
+        if not config.logging.trackers or (root / f"{run_id}.closed").exists():
+            self._skipped.add(run_id)
+            return None
+        try:
+            trackers = await asyncio.to_thread(open_trackers, config, run_id, root)
+        except TrackerError as e:
+            self._skipped.add(run_id)
+            await self._report(run_id, "all trackers", str(e), "the run goes on without its trackers")
+            return None
+        following = Following(run_id, config, root, trackers)
+        if following.cursor_file.exists():
+            following.cursor = following.cursor_file.read_text().strip() or None
+        log.info("trackers of run %s reopened (%s), from metric point %s", run_id,
+                 ", ".join(t.name for t in trackers), following.cursor or "the start")
+        return following
+
+    async def _pump(self, following: Following) -> None:
+        """Log every point after the cursor, in order, to each tracker; move the cursor."""
+        metrics = MetricsLog(self.redis, Keys(following.run_id))
+        while following.trackers:
+            points = [p for p in await metrics.read(following.cursor, READ_BATCH)
+                      if all(math.isfinite(v) for v in p.values.values())]
+            if not points:
+                return
+            for tracker in list(following.trackers):
+                try:
+                    await asyncio.to_thread(tracker.log, points)
+                except Exception as e:  # reported and dropped; training and the other trackers go on
+                    following.trackers.remove(tracker)
+                    await self._report(following.run_id, tracker.name, f"{type(e).__name__}: {e}",
+                                       "this tracker is dropped for the rest of the run; training goes on")
+                    await asyncio.to_thread(_close_quietly, tracker, "failed")
+            following.cursor = points[-1].id
+            following.last_point = time.monotonic()
+            following.root.mkdir(parents=True, exist_ok=True)
+            following.cursor_file.write_text(following.cursor + "\n")
+
+    async def _close_current(self, state: str = "running") -> None:
+        following, self.current = self.current, None
+        if following is None:
+            return
+        for tracker in following.trackers:
+            error = await asyncio.to_thread(_close_quietly, tracker, state)
+            if error:
+                await self._report(following.run_id, tracker.name, error, "its last points may be missing")
+        if state in TERMINAL_STATES:  # done for good: a restarted control plane leaves it closed
+            self._skipped.add(following.run_id)
+            following.root.mkdir(parents=True, exist_ok=True)
+            (following.root / f"{following.run_id}.closed").write_text(state + "\n")
+        log.info("trackers of run %s closed (%s)", following.run_id, state)
+
+    async def _report(self, run_id: str, tracker: str, error: str, action: str) -> None:
+        """A log line and an incident of the run (``tandem status``, the dashboard)."""
+        log.error("trackers of run %s: %s failed: %s; %s", run_id, tracker, error, action)
+        inc = incident(f"the {tracker} tracker of run {run_id}", error, waited_s=0.0, limit_s=0.0,
+                       field="logging.trackers", action=action, source=SOURCE)
+        try:
+            await IncidentLog(self.redis, Keys(run_id), source=SOURCE).append(inc)
+        except Exception as e:  # the log line above already says it
+            log.error("could not record the incident: %r", e)
