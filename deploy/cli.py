@@ -365,7 +365,7 @@ def status(
     from rich.live import Live
 
     from deploy.report import runs_table, status_table
-    from services.wire import TERMINAL_STATES
+    from services.run_states import TERMINAL_STATES
 
     async def fetch():
         async with _control(url) as client:

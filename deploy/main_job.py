@@ -38,6 +38,7 @@ from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import RunConfig
 from services.evaluate import RUN_JOB, EvalLog, evaluate
+from services.run_states import TERMINAL_STATES
 from services.settings import StackSettings
 
 
@@ -103,7 +104,7 @@ async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatu
                     await asyncio.sleep(1.0)
                     continue
                 update(st.run.step, _progress_note(st))
-                if st.run.state in wire.TERMINAL_STATES:
+                if st.run.state in TERMINAL_STATES:
                     return st
                 await asyncio.sleep(1.0)
 

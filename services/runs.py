@@ -6,10 +6,8 @@ servers and the evaluator, appends metrics; the control plane and its
 dashboard read both. Nobody calls anybody: they share these Redis keys
 (names in ``broker.keys``). Light module: no torch.
 
-Lifecycle (one active run per stack; ``queued`` and ``running`` are active)::
-
-    queued --> running --> finished | stopped | failed
-    queued --> stopped | failed
+Lifecycle: the states and the moves between them are :mod:`services.run_states`
+(one active run per stack; ``queued`` and ``running`` are active).
 
 How the services use it (a service started without ``TANDEM_RUN_ID``
 follows the active run with one :class:`RunWatcher`)::
@@ -57,16 +55,10 @@ from redis.exceptions import WatchError
 from broker.keys import ACTIVE_RUN, RUNS, Keys
 from broker.streams import raise_if_cancelled
 from services.config import ConfigError, RunConfig, parse_run_config
-from services.wire import TERMINAL_STATES, MetricPoint, RunRecord, RunState
+from services.run_states import LIVE_STATES, STATES, TERMINAL_STATES, RunState, entered_from
+from services.wire import MetricPoint, RunRecord
 
 log = logging.getLogger("tandem.runs")
-
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "queued": frozenset({"running", "stopped", "failed"}),
-    # running -> running: a restarted learner resumes its run
-    "running": frozenset({"running", "finished", "stopped", "failed"}),
-}
-LIVE_STATES = frozenset({"queued", "running"})
 
 METRICS: dict[str, str] = {
     "reward_mean": "mean reward of the samples trained at this step",
@@ -116,7 +108,7 @@ class TransitionError(ValueError):
 
 
 # KEYS: state hash, active. ARGV: new state, now, error, run_id, terminal (0/1),
-# the states it may be entered from (comma-separated, from TRANSITIONS)
+# the states it may be entered from (comma-separated, services.run_states.entered_from)
 _SET_STATE = """
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return {0, ''} end
@@ -263,15 +255,15 @@ class RunStore:
         return state is not None and state.decode() in LIVE_STATES
 
     async def set_state(self, run_id: str, state: RunState, *, error: str = "") -> RunRecord:
-        """Move the run to ``state`` (validated against :data:`TRANSITIONS`); returns the new record.
+        """Move the run to ``state`` (along ``services.run_states.TRANSITIONS``); returns the new record.
 
         Entering a terminal state sets ``finished_at`` (and ``error``) and
         frees the active slot. Raises :class:`UnknownRun` or :class:`TransitionError`.
         """
-        if state not in TRANSITIONS and state not in TERMINAL_STATES:
+        if state not in STATES:
             raise TransitionError(f"unknown state {state!r}")
         terminal = state in TERMINAL_STATES
-        sources = ",".join(s for s, targets in TRANSITIONS.items() if state in targets)
+        sources = ",".join(sorted(entered_from(state)))
         ok, previous = await self._set_state(
             keys=[_state_key(run_id), ACTIVE_RUN],
             args=[state, repr(time.time()), error[:4000] if terminal else "", run_id, "1" if terminal else "0", sources],

@@ -44,6 +44,7 @@ from pydantic import (
 )
 
 from services.reward_specs import Limits, RewardSpec
+from services.run_states import RunState
 
 if TYPE_CHECKING:  # the payload types import nothing of the broker at run time
     from broker.streams import Delivery, Stream
@@ -364,11 +365,6 @@ class TrajectoryGroup(Wire):
 
 # --------------------------------------------------------------------------
 # Runs and the control plane
-
-RunState = Literal["queued", "running", "finished", "stopped", "failed"]
-"""queued -> running -> finished | stopped | failed; queued -> stopped | failed."""
-TERMINAL_STATES = frozenset({"finished", "stopped", "failed"})
-
 
 class RunRecord(Wire):
     """One run in the registry (``services.runs.RunStore``).

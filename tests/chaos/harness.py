@@ -43,6 +43,7 @@ from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
 from services.evaluate import evaluate, load_eval_set
+from services.run_states import TERMINAL_STATES
 
 ROOT = Path(__file__).resolve().parents[2]
 ETA = 1
@@ -290,7 +291,7 @@ def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env
         for fault in faults:
             report.outcomes.append(asyncio.run(stack.inject(run_id, fault)))
         report.fds_mid, mid = stack.service_fds(), dict(stack.info()["services"])
-        final = asyncio.run(stack.wait(run_id, lambda s: s.run.state in wire.TERMINAL_STATES, 1800, "the run's end"))
+        final = asyncio.run(stack.wait(run_id, lambda s: s.run.state in TERMINAL_STATES, 1800, "the run's end"))
         report.final_state = final.run.state
         report.fds_after = {k: v for k, v in stack.service_fds().items() if mid.get(k) == stack.pid(k)}
         if final.run.state == "finished":

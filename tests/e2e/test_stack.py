@@ -42,6 +42,7 @@ from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
 from services.evaluate import evaluate, load_eval_set
+from services.run_states import TERMINAL_STATES
 from tests.chaos.harness import ETA, write_config
 from tests.fixtures.stack import short_run_config
 
@@ -87,7 +88,7 @@ def _stop_a_run_and_watch_it_go_quiet(cfg_path: Path, urls: dict, token: str, en
         async with ControlClient(urls["control"], token) as control:
             deadline = time.monotonic() + 600
             while (st := await control.run_status(run_a)).run.step < 2:
-                assert st.run.state not in wire.TERMINAL_STATES, st.run
+                assert st.run.state not in TERMINAL_STATES, st.run
                 assert time.monotonic() < deadline, "run A did not reach step 2"
                 await asyncio.sleep(0.5)
 
@@ -172,7 +173,7 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
             async with ControlClient(urls["control"], token) as control:
                 while True:
                     st = await control.run_status(run_id)
-                    if st.run.state in wire.TERMINAL_STATES:
+                    if st.run.state in TERMINAL_STATES:
                         return st
                     assert time.monotonic() < deadline + 600, "run did not finish"
                     await asyncio.sleep(2)
