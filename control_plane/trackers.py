@@ -65,9 +65,10 @@ from broker import Keys
 from broker.streams import raise_if_cancelled
 from services.app import ServiceError
 from services.config import LoggingConfig, RunConfig, parse_run_config
+from services.run_states import TERMINAL_STATES
 from services.runs import MetricsLog, RunStore
 from services.watchdog import IncidentLog, incident
-from services.wire import TERMINAL_STATES, MetricPoint
+from services.wire import MetricPoint
 
 log = logging.getLogger("tandem.trackers")
 
