@@ -312,12 +312,16 @@ def _http_error(e) -> str:
 
 @app.command()
 def submit(
-    prompts: Annotated[Path, typer.Argument(help="Prompt set: JSON lines with 'prompt' (or 'messages', or the "
-                                                 "fields of prompt.template) and reward-spec fields.")],
-    config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML).")],
+    prompts: Annotated[Path | None, typer.Argument(help="Prompt set: JSON lines with 'prompt' (or 'messages', or "
+                                                        "the fields of prompt.template) and reward-spec fields.")] = None,
+    config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML).")] = ...,
     url: Annotated[str | None, typer.Option(help="Control plane URL (default: TANDEM_URL or the local stack).")] = None,
+    prompt_set: Annotated[str | None, typer.Option("--prompt-set", help="Train on this stored prompt set (an id "
+                                                                        "from `tandem prompts import`) instead of a file.")] = None,
+    eval_prompt_set: Annotated[str | None, typer.Option("--eval-prompt-set", help="Held-out prompts: this stored "
+                                                                                  "set instead of data.eval.")] = None,
 ) -> None:
-    """Upload a prompt set and start a run on a control plane; print the run id."""
+    """Upload a prompt set (or name a stored one) and start a run on a control plane; print the run id."""
     import asyncio
 
     import httpx
@@ -328,14 +332,19 @@ def submit(
         run_config = load_run_config(config)
     except ConfigError as e:
         _fail(str(e))
-    if not prompts.exists():
+    if (prompts is None) == (prompt_set is None):
+        _fail("give a prompt-set file or --prompt-set ID (one of them)")
+    if prompts is not None and not prompts.exists():
         _fail(f"{prompts}: no such file")
 
     async def go():
         async with _control(url) as client:
-            info = await client.upload_prompt_set(prompts.read_bytes(), run_config.reward.type)
-            held_out = None
-            if run_config.data.eval is not None:  # the rollout servers evaluate it during the run
+            if prompt_set is not None:
+                info = await client.prompt_set(prompt_set)
+            else:
+                info = await client.upload_prompt_set(prompts.read_bytes(), run_config.reward.type)
+            held_out = eval_prompt_set
+            if held_out is None and run_config.data.eval is not None:  # the rollout servers evaluate it during the run
                 held_out = (await client.upload_prompt_set(run_config.data.eval.read_bytes(),
                                                            run_config.reward.type)).id
             created = await client.create_run(info.id, run_config.model_dump(mode="json"), held_out)

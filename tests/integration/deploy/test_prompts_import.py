@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.control import TOKEN, run_config
+from tests.fixtures.control import TOKEN
 
 ROOT = Path(__file__).resolve().parents[3]
 ROWS = [
@@ -72,13 +72,18 @@ async def test_parquet_messages_csv_prompts_and_jsonl_template_fields_import_as_
         assert [(ln["spec"]["type"], ln["spec"]["answer"]) for ln in lines] == [("exact", "4"), ("exact", "8"),
                                                                                  ("exact", "10")]
 
-        # CSV cells are text; a numeric spec reads the number from it
+        # CSV cells are text (an exact spec's answer must be), and a numeric spec reads the number from it
         code, out, err = await tandem("prompts", "import", str(files / "rows.csv"), "--url", url,
-                                      "--map", "prompt=question", "--map", "answer=answer", "--reward", "numeric")
+                                      "--map", "prompt=question", "--map", "answer=answer", "--reward", "exact")
         assert code == 0, err
         lines = await _stored(control_redis, out.strip().splitlines()[-1])
         assert [(ln["prompt"], ln["spec"]["answer"]) for ln in lines] == [
-            ("What is 2+2?", 4.0), ("What is 3+5?", 8.0), ("What is 9+1?", 10.0)]
+            ("What is 2+2?", "4"), ("What is 3+5?", "8"), ("What is 9+1?", "10")]
+        code, out, err = await tandem("prompts", "import", str(files / "rows.csv"), "--url", url,
+                                      "--map", "prompt=question,answer=answer", "--reward", "numeric")
+        assert code == 0, err
+        assert [ln["spec"]["answer"] for ln in await _stored(control_redis, out.strip().splitlines()[-1])] == [
+            4.0, 8.0, 10.0]
 
         # fields for a run's prompt.template, untyped (the run's reward.type decides), a constant added
         code, out, err = await tandem("prompts", "import", str(files / "rows.jsonl"), "--url", url,
@@ -131,9 +136,7 @@ async def test_bad_input_names_the_row_or_field_and_stores_nothing(serve_control
         assert await snapshot(control_redis) == before
 
 
-async def test_list_show_delete_runs_and_stop_from_the_command_line(serve_control, control_redis, files):
-    import httpx
-
+async def test_list_show_submit_runs_stop_and_delete_from_the_command_line(serve_control, control_redis, files):
     async with serve_control() as url:
         code, out, err = await tandem("prompts", "import", str(files / "rows.jsonl"), "--url", url,
                                       "--map", "prompt=question,answer=answer", "--reward", "exact")
@@ -144,10 +147,13 @@ async def test_list_show_delete_runs_and_stop_from_the_command_line(serve_contro
         code, out, err = await tandem("prompts", "show", set_id, "--url", url)
         assert code == 0 and set_id in out and "exact 3" in out and "prompt 3" in out, (out, err)
 
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}) as http:
-            r = await http.post("/v1/runs", json={"prompt_set_id": set_id, "config": run_config()})
-            assert r.status_code == 201, r.text
-        run_id = r.json()["run_id"]
+        config = files / "run.toml"
+        config.write_text('name = "imported"\n[model]\npath = "/nowhere/model"\nmax_model_len = 64\n'
+                          '[data]\ntrain = "unused.jsonl"\n[sampling]\nmax_tokens = 16\n')
+        code, out, err = await tandem("submit", "--prompt-set", set_id, "--config", str(config), "--url", url)
+        assert code == 0 and f"prompt set {set_id}: 3 prompts" in err, err
+        run_id = out.strip().splitlines()[-1]
+        assert run_id.startswith("imported-")
         code, out, err = await tandem("runs", "--url", url)
         assert code == 0 and run_id in out and "queued" in out, (out, err)
         code, out, err = await tandem("stop", run_id, "--url", url)
