@@ -30,6 +30,7 @@ import httpx
 from rich.console import Console
 
 from broker import Keys, WeightRegistry, connect
+from control_plane.trackers import TrackerError, preflight
 from deploy.audit import audit_file
 from deploy.progress import progress_bar
 from deploy.report import write_plots, write_summary
@@ -138,6 +139,10 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
     """Run the main job; return the run directory. Raises :class:`JobError` on failure."""
     console = Console()
     started = time.monotonic()
+    try:
+        preflight(config)  # the control plane would refuse the run: say so before anything starts
+    except TrackerError as e:
+        raise JobError(str(e)) from None
     ensure_model(config, console)
     if config.data.eval is None:
         raise JobError("data.eval is required: the main job reports held-out accuracy before and after")
