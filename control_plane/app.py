@@ -2,10 +2,13 @@
 
 Who talks to whom: users and ``tandem submit/status`` call these routes;
 the control plane stores prompt sets and runs in Redis and enqueues prompt
-groups on the run's ``prompts`` stream. It never calls the other services:
-the learner and rollout servers find the active run in the registry
-(``services.runs``) and report progress and metrics there, which the
-status, metrics and dashboard routes read back.
+groups on the run's ``prompts`` stream. It calls no other service but
+one: when ``TANDEM_CONTROL_REWARD_URL`` is set it asks the reward server's
+``POST /v1/check`` whether the python reward functions a prompt set or run
+names may be called (``control_plane.reward_functions``). The learner and
+rollout servers find the active run in the registry (``services.runs``) and
+report progress and metrics there, which the status, metrics and dashboard
+routes read back.
 
 Errors map to statuses in one place (:func:`_errors`): unknown prompt set
 (``prompt_set_id`` or ``eval_prompt_set_id``, named in the message) or run 404, a second active run or an impossible transition 409, bad input 422
@@ -39,13 +42,14 @@ from broker.embedded import EmbeddedRedis
 from control_plane.dashboard import router as dashboard_router
 from control_plane.groups import build_groups, enqueue
 from control_plane.prompt_sets import PromptSetStore
+from control_plane.reward_functions import FunctionCheck, spec_functions
 from control_plane.trackers import TrackerHub
 from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.evaluate import EvalLog, eval_prompts
 from services.prompts import chat_template_in
 from services.promptsets import LineError
-from services.reward_specs import REWARD_TYPES
+from services.reward_specs import REWARD_TYPES, RewardSpec
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
 from services.settings import ControlSettings
 from services.watchdog import IncidentLog
@@ -158,6 +162,10 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
         groups = build_groups(run_id, lines, config, chat)
     except LineError as e:
         raise ServiceError(422, f"prompt set {body.prompt_set_id} under this config: {e}", errors=e.errors) from None
+    await _check_functions(state, [(g.index + 1, g.spec) for g in groups if g.epoch == 0],
+                           f"prompt set {body.prompt_set_id} under this config")
+    await _check_functions(state, [(i, p.spec) for i, p in enumerate(held_out, start=1)],
+                           f"eval_prompt_set_id: prompt set {body.eval_prompt_set_id} under this config")
     await state.trackers.open(run_id, config)  # 422 naming a tracker that cannot start (control_plane.trackers)
     # stored before the run is visible: a rollout server evaluates version 0 as soon as it sees the run
     await EvalLog(state.redis, Keys(run_id)).store_prompts(held_out)
@@ -173,6 +181,18 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
         await state.runs.set_state(run_id, "failed", error=f"enqueue failed: {e}")
         raise ServiceError(503, f"could not enqueue the run's prompt groups: {e}", retry_after=5) from None
     return RunCreated(run_id=run_id, groups=count)
+
+
+async def _check_functions(state, specs: list[tuple[int, RewardSpec]], what: str) -> None:
+    """422 naming the line and field of each python reward function the reward server refuses
+    (``control_plane.reward_functions``); ``specs``: (1-based line, spec as the run completes it)."""
+    named: dict[str, tuple[int, str]] = {}
+    for line, spec in specs:
+        for field, function in spec_functions(spec.model_dump(mode="json")):
+            named.setdefault(function, (line, field))
+    refused = await state.functions.refusals(named)
+    if refused:
+        raise ServiceError(422, f"{what}: {LineError(refused)}", errors=refused)
 
 
 async def _eval_prompts(state, set_id: str | None, config: RunConfig, chat: bool | None) -> list[EvalPrompt]:
@@ -299,12 +319,14 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
         redis = connect(settings.redis_url or embedded.url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_WAIT_S)
         app.state.redis = redis
         app.state.runs = RunStore(redis)
-        app.state.prompt_sets = PromptSetStore(redis, settings)
+        app.state.functions = FunctionCheck(settings)
+        app.state.prompt_sets = PromptSetStore(redis, settings, app.state.functions)
         app.state.trackers = TrackerHub(redis, settings.run_dir).start()
         try:
             yield
         finally:
             await app.state.trackers.stop()
+            await app.state.functions.close()
             await redis.aclose()
             if embedded is not None:
                 embedded.stop()

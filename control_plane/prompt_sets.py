@@ -7,7 +7,9 @@ thread and writes it to Redis (AOF). ``POST /v1/runs`` reads the lines back
 (``control_plane.groups``).
 
 The line format and its validation are ``services.promptsets``. Prompt-set
-ids are content hashes, so uploading the same file twice stores it once.
+ids are content hashes, so uploading the same file twice stores it once. A
+set naming python reward functions the reward server refuses is not stored
+(``control_plane.reward_functions``).
 ``GET /v1/prompt-sets`` lists the stored sets (:meth:`PromptSetStore.list`) and
 ``DELETE /v1/prompt-sets/{id}`` removes one (:meth:`PromptSetStore.delete`): a
 run already created from it keeps its prompts (enqueued, and its held-out
@@ -50,6 +52,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from broker.keys import PROMPT_SETS, check_run_id, prompt_set, prompt_set_meta
+from control_plane.reward_functions import FunctionCheck, line_functions
 from services.app import ServiceError
 from services.promptsets import LineError, LineParser
 from services.settings import ControlSettings
@@ -80,9 +83,13 @@ class StoredLines(LineParser):
         self.max_stored = settings.max_prompt_set_bytes
         self.encoded: list[bytes] = []
         self.stored_bytes = 0
+        self.functions: dict[str, tuple[int, str]] = {}
+        """Python reward function -> (line, field) of the first line that names it."""
         self._digest = hashlib.sha256()
 
     def keep(self, stored: dict) -> None:
+        for field, function in line_functions(stored, self.default_type):
+            self.functions.setdefault(function, (self._lineno, field))
         encoded = msgpack.packb(stored, use_bin_type=True)
         self._digest.update(len(encoded).to_bytes(8, "little") + encoded)
         self.encoded.append(encoded)
@@ -118,9 +125,12 @@ class PromptSetStore:
     ``settings`` gives the caps (``ControlSettings``' defaults when None).
     """
 
-    def __init__(self, redis: aioredis.Redis, settings: ControlSettings | None = None) -> None:
+    def __init__(self, redis: aioredis.Redis, settings: ControlSettings | None = None,
+                 functions: FunctionCheck | None = None) -> None:
         self.redis = redis
         self.settings = settings if settings is not None else ControlSettings.model_construct()
+        self.functions = functions
+        """Asks the reward server about the python reward functions a set names (None: not asked)."""
         self.uploading = 0
         self._upload_s = 1.0  # moving average of an upload's time, for Retry-After
 
@@ -150,6 +160,9 @@ class PromptSetStore:
             await asyncio.to_thread(parser.finish)
         except LineError as e:
             raise ServiceError(422, str(e), errors=e.errors) from None
+        refused = await self.functions.refusals(parser.functions) if self.functions is not None else []
+        if refused:
+            raise ServiceError(422, str(LineError(refused)), errors=refused)
         return await self._store(parser)
 
     async def _store(self, parsed: StoredLines) -> PromptSetInfo:

@@ -191,6 +191,7 @@ class Stack:
         })
         if "reward" in ports:
             env["TANDEM_ROLLOUT_REWARD_URL"] = f"http://127.0.0.1:{ports['reward']}"
+            env["TANDEM_CONTROL_REWARD_URL"] = env["TANDEM_ROLLOUT_REWARD_URL"]  # /v1/check at upload
         return env
 
     def _inductor_cache(self) -> Path:

@@ -111,6 +111,18 @@ def run_id_of(settings: LearnerSettings, cfg: RunConfig) -> str:
     return settings.run_id or cfg.name
 
 
+def component_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """``reward_<name>``: the mean of each named reward component (a python reward function's) over the
+    samples that carry it."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for smp in (smp for g in groups for smp in g.samples):
+        for name, value in smp.components.items():
+            sums[name] = sums.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    return {f"reward_{name}": sums[name] / counts[name] for name in sorted(sums)}
+
+
 def checkpoint_tag(step: int) -> str:
     """The name of the checkpoint saved after ``step`` steps (every rank saves under it)."""
     return f"step{step:08d}"
@@ -396,7 +408,7 @@ class Trainer:
             from services.evaluate import EvalLog, due
 
             scores = {v: p.accuracy for v, p in (await EvalLog(self.redis, self.keys).points()).items()}
-        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=pub.keep_best,
+        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=0,
                                 scores=scores, due=lambda v: due(v, self.cfg.eval))
         for v in sorted(delete):
             path = store.version_dir(self.paths.weights, v)
@@ -452,7 +464,7 @@ class Trainer:
             "zero_variance_dropped": float(feeder.counts["zero_variance_dropped"]),
             "learner_tokens_per_s": st.tokens_per_s,
             "learner_idle_frac": st.idle_fraction,
-        }
+        } | component_means(groups)
         await self._write_state(point)
         if self.metrics is not None:
             self.metrics.observe_step(st, tokens)

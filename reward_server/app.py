@@ -1,7 +1,9 @@
-"""The reward server's HTTP API: ``POST /v1/score`` and ``POST /v1/execute``.
+"""The reward server's HTTP API: ``POST /v1/score``, ``POST /v1/execute`` and ``POST /v1/check``.
 
 Rollout servers call ``/v1/score`` with the G completions of a group; anyone
-may call ``/v1/execute`` to run a program in the sandbox. Both go through the
+may call ``/v1/execute`` to run a program in the sandbox; the control plane
+asks ``/v1/check`` whether the python reward functions a prompt set names may
+be called (``reward_server.verifiers.functions``). Both go through the
 bounded execution queue (429 + Retry-After when full). Without a usable
 sandbox, code execution is refused (503 on ``/v1/execute``,
 ``sandbox_error`` items in ``/v1/score``) unless ``unsafe_local`` is set;
@@ -22,11 +24,19 @@ from reward_server.execution import ExecQueue, ceilings_of, refuse_over_ceilings
 from reward_server.sandbox import choose
 from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, python_run
 from reward_server.settings import RewardSettings
+from reward_server.verifiers.functions import Functions
 from reward_server.verifiers.judge import Judge
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.scorer import Scorer, sandbox_jobs
 from services.app import ServiceError, create_app
-from services.wire import ExecuteRequest, ExecuteResult, ScoreRequest, ScoreResponse
+from services.wire import (
+    CheckFunctions,
+    ExecuteRequest,
+    ExecuteResult,
+    FunctionsChecked,
+    ScoreRequest,
+    ScoreResponse,
+)
 
 log = logging.getLogger("tandem.reward")
 router = APIRouter()
@@ -43,6 +53,14 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     refuse_over_ceilings(specs, scorer.queue.ceilings)
     with scorer.queue.reserve(sum(sandbox_jobs(i.spec) for i in body.items)):
         return ScoreResponse(results=await scorer.score_all(body.items))
+
+
+@router.post("/v1/check", response_model=FunctionsChecked)
+async def check(body: CheckFunctions, request: Request) -> FunctionsChecked:
+    functions = _scorer(request).functions
+    refused = await functions.check(body.functions)
+    known = functions.signatures()
+    return FunctionsChecked(allowed={f: known[f] for f in body.functions if f not in refused}, refused=refused)
 
 
 @router.post("/v1/execute", response_model=ExecuteResult)
@@ -86,7 +104,12 @@ def build_app(settings: RewardSettings, config=None) -> FastAPI:
                           ceilings=ceilings_of(settings))
         math = MathVerifier(workers=settings.math_workers, timeout_s=settings.math_timeout_s)
         judge = Judge.from_settings(settings)
-        app.state.scorer = Scorer(queue, math, judge, registry, regex_timeout_s=settings.regex_timeout_s)
+        functions = Functions(settings.functions, workers=settings.function_workers,
+                              timeout_s=settings.function_timeout_s)
+        if settings.functions:
+            log.info("reward server: python reward functions allowed: %s", ", ".join(settings.functions))
+        app.state.scorer = Scorer(queue, math, judge, registry, functions=functions,
+                                  regex_timeout_s=settings.regex_timeout_s)
         app.state.sandbox_description = what
         if sandbox is not None:
             await sandbox.start()
@@ -94,6 +117,7 @@ def build_app(settings: RewardSettings, config=None) -> FastAPI:
             yield
         finally:
             await judge.close()
+            await functions.close()
             await math.close()
             if sandbox is not None:
                 await sandbox.close()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from services.settings import CommonSettings, settings_config
+
+FUNCTION_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[\w*?]+$", re.ASCII)
+"""An allow-list entry of ``functions``: ``module:name``, the module exact, the name an identifier or a glob."""
 
 
 class RewardSettings(CommonSettings):
@@ -47,6 +51,17 @@ class RewardSettings(CommonSettings):
     /v1/score answers 422. They never get the judge API key, which only goes to judge_url."""
     judge_max_reply_bytes: int = Field(default=1 << 20, ge=1024)
     """Judge replies longer than this are abandoned unread (judge_error)."""
+    functions: list[str] = Field(default_factory=list)
+    """Python reward functions a prompt set's ``python`` spec may name (TANDEM_REWARD_FUNCTIONS, JSON list of
+    ``module:name`` patterns, e.g. ``["my_rewards:*", "scoring.code:passes"]``). The module is named exactly;
+    the name may be a glob, which then allows only the public functions defined in that module. Empty (the
+    default): none may be called, and /v1/score answers 422 naming the function. The modules must be
+    importable here (an installed package, or on PYTHONPATH); they are imported at start-up in the workers."""
+    function_workers: int = Field(default=2, ge=1)
+    """Worker processes that call reward functions (each call is one batch: a group's completions)."""
+    function_timeout_s: float = Field(default=30.0, gt=0)
+    """Longest one reward-function call may take before its worker is killed and its completions get
+    ``reward_error`` (the group is retried, then dropped)."""
     regex_timeout_s: float = Field(default=1.0, gt=0, le=60)
     """Longest one prompt-set regex (a regex spec's pattern, a judge spec's score_pattern) may match."""
     modal_app: str = "tandem-reward"
@@ -76,6 +91,15 @@ class RewardSettings(CommonSettings):
     cgroups: bool = True
     """Cap each job's memory, processes and CPU with a host cgroup when this host allows it (root or a
     delegated subtree); false = per-process rlimits only. Whether cgroups are in use is logged at start-up."""
+
+    @field_validator("functions")
+    @classmethod
+    def _patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if not FUNCTION_PATTERN.match(pattern):
+                raise ValueError(f"{pattern!r}: expected module:name, the module named exactly (a.b.c), "
+                                 "the name an identifier or a glob (my_rewards:*)")
+        return value
 
     @property
     def effective_workers(self) -> int:

@@ -21,7 +21,8 @@ One group, start to end:
    the model's chat template and the run's ``prompt.chat_template_kwargs``
    (``engine.render``); one the template cannot render is dead-lettered.
 4. Score all ``n`` completions in one ``POST /v1/score``. Items that come back
-   with an infrastructure status (``sandbox_error``, ``judge_error``: reward
+   with an infrastructure status (``sandbox_error``, ``judge_error``,
+   ``reward_error`` from a python reward function: reward
    is None) are scored again, up to ``reward.retries`` more times; if any
    still fail, the group is dead-lettered and counted (``infra_dropped``),
    never trained with a made-up 0.
@@ -279,28 +280,29 @@ class Actor:
         gen_s = time.monotonic() - t0
         self._tasks.create_task(self._score_eval(version, samples, gen_s, t0), name=f"eval-v{version}")
 
-    async def _eval_one(self, i: int, prompt: wire.EvalPrompt) -> wire.Sample | None:
-        """The greedy (``eval.temperature``) completion of one held-out prompt; None if the engine cannot
-        take the prompt (it counts as wrong)."""
-        s = self.config.sampling
+    async def _eval_one(self, i: int, prompt: wire.EvalPrompt) -> list[wire.Sample] | None:
+        """The ``eval.samples`` completions (greedy unless ``eval.temperature``) of one held-out prompt;
+        None if the engine cannot take the prompt (they count as wrong)."""
+        s, ev = self.config.sampling, self.config.eval
         try:
             _, ids = self.engine.prompt_ids(prompt.prompt, prompt.messages, self.config.prompt.chat_template_kwargs)
         except InvalidRequest as e:
             log.warning("held-out prompt %d not generated (counted wrong): %s", i, e)
             return None
-        sampling = Sampling(n=1, temperature=self.config.eval.temperature, max_tokens=max(1, min(
+        sampling = Sampling(n=ev.samples, temperature=ev.temperature, max_tokens=max(1, min(
             s.max_tokens, self.engine.max_model_len - len(ids))), stop=tuple(s.stop), seed=i)
         try:
             self.engine.check(ids, sampling, prompt_field="prompt")
-            return (await self.engine.generate(ids, sampling, source="eval")).samples[0]
+            return (await self.engine.generate(ids, sampling, source="eval")).samples
         except (InvalidRequest, Stalled) as e:
             log.warning("held-out prompt %d not generated (counted wrong): %s", i, e)
             return None
 
-    async def _score_eval(self, version: int, samples: list[wire.Sample | None], gen_s: float, t0: float) -> None:
-        prompts = self._eval_prompts
-        texts = [smp.text if smp is not None else "" for smp in samples]
-        versions = [smp.policy_version for smp in samples if smp is not None]
+    async def _score_eval(self, version: int, samples: list[list[wire.Sample] | None], gen_s: float,
+                          t0: float) -> None:
+        prompts, n = self._eval_prompts, self.config.eval.samples
+        texts = [[smp.text for smp in group] if group is not None else [""] * n for group in samples]
+        versions = [smp.policy_version for group in samples if group is not None for smp in group]
         if set(versions) - {version}:
             log.error("held-out evaluation of version %d used versions %s: not recorded", version, sorted(set(versions)))
             return
@@ -310,8 +312,9 @@ class Actor:
             log.error("held-out evaluation of version %d not recorded: the reward server failed: %r", version, e)
             return
         await self.evals.record(version, result, self.server_id)
-        log.info("held-out accuracy of version %d: %.1f%% (%d prompts; generated in %.1f s, %.1f s in all)",
-                 version, 100 * result.accuracy, result.count, gen_s, time.monotonic() - t0)
+        log.info("held-out accuracy of version %d: %.1f%%%s (%d prompts x %d; generated in %.1f s, %.1f s in all)",
+                 version, 100 * result.accuracy, "".join(f", pass@{k} {100 * v:.1f}%" for k, v in result.pass_at.items()),
+                 result.count, result.samples, gen_s, time.monotonic() - t0)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -423,7 +426,7 @@ class Actor:
             return await self._retry_later(delivery, ticket, "admission lease expired during generation")
 
         samples = [
-            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status)
+            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status, components=r.components)
             for smp, r in zip(gen.samples, results, strict=True)
         ]
         traj = wire.TrajectoryGroup(
@@ -466,7 +469,8 @@ class Actor:
         todo = list(range(len(samples)))
         for _attempt in range(self.config.reward.retries + 1):
             request = wire.ScoreRequest(
-                items=[wire.ScoreItem(id=ids[i], completion=samples[i].text, spec=pg.spec) for i in todo]
+                items=[wire.ScoreItem(id=ids[i], prompt=pg.prompt or "", messages=pg.messages,
+                                      completion=samples[i].text, spec=pg.spec) for i in todo]
             )
             response = await self.reward.score(request)
             by_id = {r.id: r for r in response.results}
@@ -476,6 +480,9 @@ class Actor:
             results.update({k: v for k, v in by_id.items() if v.status not in wire.INFRA_STATUSES})
             if not todo:
                 return [results[i] for i in ids]
+        failed = by_id[ids[todo[0]]]
+        log.warning("group %s: %d samples still %s after %d attempts: %s", pg.group_id, len(todo), failed.status,
+                    self.config.reward.retries + 1, failed.detail[:500])
         return None
 
 

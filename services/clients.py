@@ -25,7 +25,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop
 from tenacity.wait import wait_base, wait_exponential_jitter
 
 from services import watchdog, wire
-from services.app import CLIENT_HEADER
+from services.security import CLIENT_HEADER
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -63,7 +63,7 @@ class _wait_retry_after(wait_base):
 class ServiceClient:
     """Base client: bearer auth, per-attempt timeout, bounded retries, a bound on the whole call.
 
-    Every request carries :data:`~services.app.CLIENT_HEADER`, which tells a service with auth
+    Every request carries :data:`~services.security.CLIENT_HEADER`, which tells a service with auth
     off that a body-less POST (``stop_run``) comes from a client, not from a web page."""
 
     def __init__(
@@ -140,6 +140,11 @@ class RewardClient(ServiceClient):
     async def execute(self, request: wire.ExecuteRequest) -> wire.ExecuteResult:
         resp = await self.request("POST", "/v1/execute", request)
         return wire.ExecuteResult.model_validate(resp.json())
+
+    async def check(self, functions: list[str]) -> wire.FunctionsChecked:
+        """Which of these python reward functions the reward server may call (``POST /v1/check``)."""
+        resp = await self.request("POST", "/v1/check", wire.CheckFunctions(functions=functions))
+        return wire.FunctionsChecked.model_validate(resp.json())
 
 
 class RolloutClient(ServiceClient):

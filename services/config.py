@@ -276,6 +276,18 @@ class EvalConfig(Section):
     """Evaluate on at most this many held-out prompts."""
     temperature: float = Field(default=0.0, ge=0)
     """0 = greedy decoding."""
+    samples: int = Field(default=1, ge=1, le=1024)
+    """Completions per held-out prompt. 1 (the default): accuracy is the fraction of prompts answered
+    correctly. n > 1 (needs ``temperature > 0``): accuracy is mean@n, the fraction of all completions
+    that are correct, and pass@k is reported for k = 1, 2, 4, ... below n and n itself (Chen et al.'s
+    unbiased estimator; ``services.evaluate``)."""
+
+    @model_validator(mode="after")
+    def _sampled(self) -> EvalConfig:
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"samples = {self.samples} needs temperature > 0: greedy decoding gives "
+                             "the same completion every time")
+        return self
 
 
 class WatchdogConfig(Section):

@@ -9,7 +9,8 @@ A prompt-set line carries a spec (``services.promptsets`` parses it; the run con
 
 Every spec is validated where it is defined: patterns compile and stay small once their
 counted repeats are written out (the reward server compiles them and compiling cannot be
-interrupted), combined specs are bounded in depth and in leaves, judge URLs are plain http(s).
+interrupted), combined specs are bounded in depth and in leaves, judge URLs are plain http(s), a
+python spec names a function (``module:name``) and gives it JSON data, never code.
 The payloads that carry a spec live in :mod:`services.wire`; this module imports nothing of it.
 """
 
@@ -19,7 +20,7 @@ import re
 from typing import Annotated, Literal, get_args
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 
 class Spec(BaseModel):
@@ -205,6 +206,72 @@ class JudgeSpec(Spec):
         return value
 
 
+FUNCTION_NAME = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+"""A reward function's name: ``module:name`` (``my_rewards:length``, ``pkg.scoring:passes``)."""
+TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+"""Keywords TRL itself passes a reward function; a line's fields and ``args`` may not take them."""
+MAX_KEYWORDS = 64
+"""Keyword arguments (``args`` and ``kwargs`` together) one python spec may give its function."""
+
+
+class PythonSpec(Spec):
+    """A Python reward function in TRL's shape, ``f(prompts, completions, **kwargs) -> list[float | None]``,
+    installed in the reward server's environment and allowed by its ``TANDEM_REWARD_FUNCTIONS``
+    (``reward_server.verifiers.functions``; the reward server answers 422 naming any other).
+
+    It is called with keywords, batched over the completions the reward server scores together:
+    ``prompts`` and ``completions`` (one entry per completion), each ``kwargs`` field as a list
+    (one value per completion, like a dataset column in TRL) and each ``args`` entry as it is. On
+    a prompt-set line the fields that are not ``type``, ``function``, ``args`` or the prompt are
+    the ``kwargs``: ``{"prompt": ..., "type": "python", "function": "my_rewards:match", "solution": "42"}``
+    calls ``match(prompts=[...], completions=[...], solution=["42", ...])``. Names are Python
+    identifiers other than TRL's own keywords (:data:`TRL_KEYWORDS`); ``args`` and ``kwargs`` share
+    no name. A returned ``None`` means no reward for that completion."""
+
+    type: Literal["python"] = "python"
+    function: str = Field(max_length=200, description="module:name of the function.")
+    args: dict[str, JsonValue] = Field(default_factory=dict,
+                                       description="Keyword arguments passed as they are, the same for every completion.")
+    kwargs: dict[str, JsonValue] = Field(default_factory=dict,
+                                         description="The line's own fields, passed as one list per name.")
+
+    @field_validator("function")
+    @classmethod
+    def _module_colon_name(cls, value: str) -> str:
+        if not re.fullmatch(FUNCTION_NAME, value):
+            raise ValueError("must be module:name, e.g. my_rewards:length or pkg.scoring:passes")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _line_fields_are_kwargs(cls, data: object) -> object:
+        if isinstance(data, dict) and any(k not in cls.model_fields for k in data):
+            extra = {k: v for k, v in data.items() if k not in cls.model_fields}
+            given = data.get("kwargs")
+            if isinstance(given, dict):
+                both = sorted(set(given) & set(extra))
+                if both:
+                    raise ValueError(f"{both[0]!r} is both a field of the line and a key of kwargs")
+                extra = {**given, **extra}
+            data = {k: v for k, v in data.items() if k in cls.model_fields} | {"kwargs": extra}
+        return data
+
+    @model_validator(mode="after")
+    def _names(self) -> PythonSpec:
+        for name in [*self.args, *self.kwargs]:
+            if not name.isidentifier() or not name.isascii() or len(name) > 64:
+                raise ValueError(f"{name[:80]!r}: a keyword argument's name must be a Python identifier "
+                                 "(ASCII, at most 64 characters)")
+            if name in TRL_KEYWORDS:
+                raise ValueError(f"{name!r} is a keyword TRL passes itself ({', '.join(sorted(TRL_KEYWORDS))})")
+        both = sorted(set(self.args) & set(self.kwargs))
+        if both:
+            raise ValueError(f"{both[0]!r} is both in args and a field of the line (kwargs)")
+        if len(self.args) + len(self.kwargs) > MAX_KEYWORDS:
+            raise ValueError(f"{len(self.args) + len(self.kwargs)} keyword arguments; at most {MAX_KEYWORDS}")
+        return self
+
+
 MAX_COMBINED_DEPTH = 4
 """Combined specs nested in one another, the outermost counted (``combined(combined(x))`` is 2)."""
 MAX_COMBINED_LEAVES = 16
@@ -245,12 +312,12 @@ class CombinedSpec(Spec):
 
 
 RewardSpec = Annotated[
-    MathSpec | ExactSpec | NumericSpec | RegexSpec | PythonTestsSpec | JudgeSpec | CombinedSpec,
+    MathSpec | ExactSpec | NumericSpec | RegexSpec | PythonTestsSpec | JudgeSpec | PythonSpec | CombinedSpec,
     Field(discriminator="type"),
 ]
 WeightedSpec.model_rebuild()
 CombinedSpec.model_rebuild()
 
-RewardType = Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "combined"]
+RewardType = Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "python", "combined"]
 """The ``type`` of every spec in :data:`RewardSpec` (the run config's ``reward.type`` too)."""
 REWARD_TYPES: tuple[str, ...] = get_args(RewardType)

@@ -177,6 +177,13 @@ class ControlSettings(CommonSettings):
     max_stored_prompt_set_bytes: int = Field(default=1 << 30, ge=1024)
     """Stored bytes of all prompt sets together; an upload past it gets 507, naming the setting
     (TANDEM_CONTROL_MAX_STORED_PROMPT_SET_BYTES)."""
+    reward_url: str | None = None
+    """Reward server asked (``POST /v1/check``) whether the python reward functions a prompt set names may be
+    called, so that an upload or a run naming one it refuses gets 422 before anything is stored or trained
+    (TANDEM_CONTROL_REWARD_URL; `tandem up` and docker-compose set it). Unset: not checked here, and the
+    reward server refuses such a function only when completions are scored."""
+    reward_token: SecretStr | None = None
+    """Bearer token for that reward server (TANDEM_CONTROL_REWARD_TOKEN). Unset: TANDEM_TOKEN."""
     session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
     """Lifetime of the dashboard's read-only session cookie (``GET /?token=T``) in seconds: its
     Max-Age, and the age past which the server refuses it (TANDEM_CONTROL_SESSION_MAX_AGE_S)."""

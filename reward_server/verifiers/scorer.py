@@ -2,14 +2,19 @@
 
 A combined score is infrastructure-failed if any part is (no partial
 rewards are ever trained on); otherwise its reward is ``sum(w_i * r_i)``
-and its status is the first part's status (the primary criterion first,
-e.g. correctness before format), with every part's verdict in ``detail``.
+over the parts that gave a reward (a python function's ``None`` gives none,
+as in TRL's weighted sum) and its status is the first such part's status
+(the primary criterion first, e.g. correctness before format), with every
+part's verdict in ``detail``. A completion no part gave a reward gets 0
+with status ``no_answer``.
 
 Before anything in a batch is scored, every judge spec's ``url`` (combined
-parts included) is checked against the judge's allow-list: one the server
-will not call makes the whole request a 422 naming the field
-(``items.3.spec.url``, ``items.0.spec.parts.1.spec.url``), which the rollout
-side drops at once instead of retrying.
+parts included) is checked against the judge's allow-list, and every python
+spec's ``function`` against the reward-function allow-list (and looked up):
+one the server will not call makes the whole request a 422 naming the field
+(``items.3.spec.url``, ``items.0.spec.parts.1.spec.function``), which the
+rollout side drops at once instead of retrying. Python specs are then scored
+first, batched across the request (``reward_server.verifiers.functions``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from reward_server.execution import ExecQueue
 from reward_server.verifiers import code, text
+from reward_server.verifiers.functions import Functions, Leaf, Scored, python_leaves
 from reward_server.verifiers.judge import Judge, UrlRefused
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.result import infra, scored
@@ -30,6 +36,7 @@ from services.reward_specs import (
     JudgeSpec,
     MathSpec,
     NumericSpec,
+    PythonSpec,
     PythonTestsSpec,
     RegexSpec,
     RewardSpec,
@@ -55,33 +62,58 @@ def judge_urls(spec: RewardSpec, where: str) -> list[tuple[str, str]]:
     return []
 
 
+def _refused(field: str, msg: str, kind: str) -> ServiceError:
+    loc = ["body", *(int(p) if p.isdigit() else p for p in field.split("."))]
+    return ServiceError(422, f"{field}: {msg}", errors=[{"loc": loc, "msg": msg, "type": kind}])
+
+
 class Scorer:
     def __init__(self, queue: ExecQueue, math: MathVerifier, judge: Judge, registry: CollectorRegistry, *,
-                 regex_timeout_s: float = text.REGEX_TIMEOUT_S) -> None:
+                 functions: Functions | None = None, regex_timeout_s: float = text.REGEX_TIMEOUT_S) -> None:
         self.queue, self.math, self.judge = queue, math, judge
+        self.functions = functions if functions is not None else Functions([])
         self.regex_timeout_s = regex_timeout_s
         self.m_scored = Counter("reward_scored", "Scored items by type and status", ["type", "status"],
                                 registry=registry)
 
-    def check(self, items: list[ScoreItem]) -> None:
-        """Raise a 422 :class:`ServiceError` naming the first judge url the server will not call."""
+    async def check(self, items: list[ScoreItem]) -> None:
+        """Raise a 422 :class:`ServiceError` naming the first judge url or python function the server will not call."""
         for i, item in enumerate(items):
             for field, url in judge_urls(item.spec, f"items.{i}.spec"):
                 try:
                     self.judge.check_url(url)
                 except UrlRefused as e:
-                    loc = ["body", *(int(p) if p.isdigit() else p for p in field.split("."))]
-                    raise ServiceError(422, f"{field}: {e}",
-                                       errors=[{"loc": loc, "msg": str(e), "type": "url_refused"}]) from e
+                    raise _refused(field, str(e), "url_refused") from e
+        leaves = [(i, where, spec) for i, item in enumerate(items)
+                  for where, spec in python_leaves(item.spec, f"items.{i}.spec")]
+        refused = await self.functions.check(spec.function for _, _, spec in leaves)
+        for _i, where, spec in leaves:
+            if spec.function in refused:
+                raise _refused(f"{where}.function", refused[spec.function], "function_refused")
 
     async def score_all(self, items: list[ScoreItem]) -> list[ScoreResult]:
-        self.check(items)
-        results = await asyncio.gather(*(self.score(i.id, i.completion, i.spec) for i in items))
+        await self.check(items)
+        done = await self.functions.score([
+            Leaf(where, item.id, item.prompt if item.messages is None else [m.model_dump() for m in item.messages],
+                 item.completion, spec)
+            for i, item in enumerate(items) for where, spec in python_leaves(item.spec, f"items.{i}.spec")])
+        results = await asyncio.gather(*(self._top(item.id, item.completion, item.spec, f"items.{i}.spec", done)
+                                         for i, item in enumerate(items)))
         for item, result in zip(items, results, strict=True):
             self.m_scored.labels(item.spec.type, result.status).inc()
         return list(results)
 
-    async def score(self, item_id: str, completion: str, spec: RewardSpec) -> ScoreResult:
+    async def _top(self, item_id: str, completion: str, spec: RewardSpec, where: str,
+                   done: dict[str, Scored]) -> ScoreResult:
+        result = await self._score(item_id, completion, spec, where, done)
+        if result is None:
+            return scored(item_id, 0.0, "no_answer", "no reward: the reward function returned None for it")
+        return result
+
+    async def _score(self, item_id: str, completion: str, spec: RewardSpec, where: str,
+                     done: dict[str, Scored]) -> Scored:
+        if isinstance(spec, PythonSpec):
+            return done[where]
         if isinstance(spec, MathSpec):
             return await self.math.score(item_id, completion, spec)
         if isinstance(spec, ExactSpec):
@@ -96,15 +128,20 @@ class Scorer:
         if isinstance(spec, JudgeSpec):
             return await self.judge.score(item_id, completion, spec)
         if isinstance(spec, CombinedSpec):
-            return await self.combined(item_id, completion, spec)
+            return await self.combined(item_id, completion, spec, where, done)
         raise TypeError(f"no verifier for {type(spec).__name__}")  # the wire union and this list disagree
 
-    async def combined(self, item_id: str, completion: str, spec: CombinedSpec) -> ScoreResult:
-        parts = await asyncio.gather(*(self.score(item_id, completion, p.spec) for p in spec.parts))
-        detail = "; ".join(f"{p.spec.type}={r.status}" + (f"({r.detail})" if r.detail else "")
+    async def combined(self, item_id: str, completion: str, spec: CombinedSpec, where: str,
+                       done: dict[str, Scored]) -> Scored:
+        parts = await asyncio.gather(*(self._score(item_id, completion, p.spec, f"{where}.parts.{i}.spec", done)
+                                       for i, p in enumerate(spec.parts)))
+        detail = "; ".join(f"{p.spec.type}=" + ("none" if r is None else r.status + (f"({r.detail})" if r.detail else ""))
                            for p, r in zip(spec.parts, parts, strict=True))
-        failed = next((r for r in parts if r.reward is None), None)
+        failed = next((r for r in parts if r is not None and r.reward is None), None)
         if failed is not None:
             return infra(item_id, failed.status, detail)
-        reward = sum(p.weight * (r.reward or 0.0) for p, r in zip(spec.parts, parts, strict=True))
-        return scored(item_id, reward, parts[0].status, detail)
+        given = [(p.weight, r) for p, r in zip(spec.parts, parts, strict=True) if r is not None]
+        if not given:
+            return None
+        components = {name: value for _, r in given for name, value in r.components.items()}
+        return scored(item_id, sum(w * r.reward for w, r in given), given[0][1].status, detail, components=components)

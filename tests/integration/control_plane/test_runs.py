@@ -209,7 +209,8 @@ async def test_each_version_is_recorded_once_and_status_shows_the_newest(control
     assert await evals.record(0, result(0.25), "a")
     s = (await control.client.get(f"/v1/runs/{run_id}", headers=control.auth())).json()
     first = "a" if recorded[0] else "b"
-    assert s["eval"] == {"version": 10, "accuracy": {"a": 0.5, "b": 0.9}[first], "count": 200, "by": first}
+    assert s["eval"] == {"version": 10, "accuracy": {"a": 0.5, "b": 0.9}[first], "count": 200, "by": first,
+                         "samples": 1, "pass_at": {}}
     points = [p for p in await MetricsLog(control.redis, Keys(run_id)).read() if p.source == "eval"]
     assert sorted((p.step, p.values["count"]) for p in points) == [(0, 200.0), (10, 200.0)]
 

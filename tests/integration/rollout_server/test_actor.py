@@ -187,13 +187,17 @@ async def test_actor_produces_groups_within_the_staleness_bound(
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.parametrize("failure", ["judge_error", "reward_error"])
 async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(
-    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
+    failure, actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
 ):
+    """A judge that fails, or a python reward function that raises: the group is scored again
+    ``reward.retries`` times, then dead-lettered, never trained with a made-up reward."""
     config = _config(tiny_model, tmp_path, eta=1, groups_per_step=1, retries=2)
     registry = WeightRegistry(redis, keys)
     await _publish(registry, weight_versions, 200, weight_versions.next_version())
-    [bad] = await _enqueue(redis, keys, count=1, n=2, spec=reward_service.infra_failure_spec)
+    spec = {"judge_error": reward_service.infra_failure_spec, "reward_error": reward_service.function_failure_spec}
+    [bad] = await _enqueue(redis, keys, count=1, n=2, spec=spec[failure])
     [good] = await _enqueue(redis, keys, count=1, n=2)
     calls_before = len(reward_service.calls)
     actor, task = actor_factory(config)
@@ -399,6 +403,49 @@ async def test_two_actors_evaluate_each_version_once(
     again = EvalResult(accuracy=1.0, mean_reward=1.0, count=1, versions=frozenset({start}), infra_failures=0)
     assert not await EvalLog(redis, keys).record(start, again, "late")
     assert sorted(p.step for p in await _eval_points(redis, keys)) == [start, start + 1]
+
+
+async def test_actor_evaluates_several_samples_per_prompt_with_pass_at_k(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine
+):
+    """``eval.samples = 4`` at temperature 1: each held-out prompt gets four sampled completions, every one
+    scored (a python reward function logs what it was given), and the version's point holds mean@4 and
+    pass@1/2/4 as Chen et al.'s estimator gives them from those rewards (checked against brute force)."""
+    import itertools
+    import json
+
+    from services.evaluate import EvalLog
+    from services.reward_specs import PythonSpec
+
+    config, _registry, start = await _serving_new_version_with_eval_prompts(
+        redis, keys, tiny_model, tmp_path, weight_versions, rollout_engine)
+    config = config.model_copy(update={"eval": config.eval.model_copy(update={"samples": 4, "temperature": 1.0})})
+    log = tmp_path / "scored.jsonl"
+    spec = PythonSpec(function="tests.rewards:even_length", args={"log": str(log)})
+    prompts = [f"{i}*{i}=" for i in range(EVAL_PROMPTS)]
+    await EvalLog(redis, keys).store_prompts([wire.EvalPrompt(prompt=p, spec=spec) for p in prompts])
+    await _enqueue(redis, keys, count=2, n=config.sampling.group_size)
+    _actor, task = actor_factory(config)
+    point = (await _wait_points(redis, keys, {start}, task))[start]
+
+    scored: dict[str, list[dict]] = {}
+    for row in map(json.loads, log.read_text().splitlines()):
+        scored.setdefault(row["prompt"], []).append(row)
+    assert sorted(scored) == sorted(prompts) and all(len(rows) == 4 for rows in scored.values())
+    assert any(len({r["completion"] for r in rows}) > 1 for rows in scored.values())  # sampled, not greedy
+    correct = [sum(r["reward"] == 1.0 for r in rows) for rows in scored.values()]
+    assert len(set(correct)) > 1  # prompts differ, so pass@k is not trivially 0 or 1
+
+    def brute(k: int) -> float:  # the chance that k of a prompt's 4 completions include a correct one
+        per_prompt = [[r["reward"] == 1.0 for r in rows] for rows in scored.values()]
+        return sum(sum(any(s) for s in itertools.combinations(ok, k)) / math.comb(4, k)
+                   for ok in per_prompt) / len(per_prompt)
+
+    assert (point.samples, point.count) == (4, EVAL_PROMPTS)
+    assert point.accuracy == pytest.approx(sum(correct) / (4 * EVAL_PROMPTS))  # mean@4
+    assert point.pass_at == pytest.approx({1: brute(1), 2: brute(2), 4: brute(4)})
+    [metric] = [p for p in await _eval_points(redis, keys) if p.step == start]
+    assert metric.values["pass_at_4"] == pytest.approx(brute(4)) and metric.values["samples"] == 4
 
 
 async def _load_request(registry: WeightRegistry, version: int) -> wire.LoadWeights:

@@ -47,7 +47,7 @@ SERVICES = COMPOSE["services"]
 TANDEM = {name: spec for name, spec in SERVICES.items() if spec.get("command", [])[:2] == ["tandem", "serve"]}
 ONE_SHOT = {name: spec for name, spec in SERVICES.items() if name != "redis" and name not in TANDEM}
 OTHER_VARIABLES = {"REDIS_URL"}
-URL_VARIABLES = {"TANDEM_ROLLOUT_REWARD_URL": "reward"}
+URL_VARIABLES = {"TANDEM_ROLLOUT_REWARD_URL": "reward", "TANDEM_CONTROL_REWARD_URL": "reward"}
 UNTRUSTED = "reward"  # runs model-written code: no runs volume, no Redis
 SECRETS = {"TANDEM_TOKEN": "compose-token-" + "t" * 32, "TANDEM_REWARD_TOKEN": "reward-token-" + "r" * 32,
            "REDIS_PASSWORD": "ab12" * 16}
@@ -191,7 +191,7 @@ def test_service_urls_point_at_the_right_container_and_port(name, monkeypatch):
         if variable in environment:
             url = urlparse(environment[variable])
             assert (url.hostname, url.port) == (target, ports[target]), variable
-    if name == "rollout":
+    if name in ("rollout", "control"):
         url = urlparse(settings.reward_url)
         assert (url.hostname, url.port) == ("reward", ports["reward"])
 
@@ -236,6 +236,9 @@ def test_the_reward_server_has_a_token_of_its_own(monkeypatch):
     rollout = settings_from("rollout", TANDEM["rollout"]["environment"], monkeypatch)
     assert rollout.reward_bearer == SECRETS["TANDEM_REWARD_TOKEN"]  # what it sends to the reward server
     assert rollout.token.get_secret_value() == SECRETS["TANDEM_TOKEN"]  # what it accepts
+    control = settings_from("control", TANDEM["control"]["environment"], monkeypatch)
+    assert control.reward_token.get_secret_value() == SECRETS["TANDEM_REWARD_TOKEN"]  # it asks /v1/check
+    assert control.token.get_secret_value() == SECRETS["TANDEM_TOKEN"]
 
 
 def _redis_conf() -> str:

@@ -1,0 +1,84 @@
+"""The python reward functions a prompt set names, checked with the reward server before anything is kept.
+
+Who talks to whom: a ``python`` reward spec names a function the reward server must have installed and
+allowed (``TANDEM_REWARD_FUNCTIONS``; ``reward_server.verifiers.functions``). The control plane cannot
+know which, so when it has a reward server to ask (``TANDEM_CONTROL_REWARD_URL``: ``tandem up`` and
+docker-compose set it) it asks that server's ``POST /v1/check``:
+
+- at upload (``POST /v1/prompt-sets``): a line naming a function the reward server refuses makes the
+  upload a 422 naming the line, the field and the reason, and nothing is stored;
+- when a run is created (``POST /v1/runs``), for the specs as the run's config completes them (lines
+  that name no type take ``reward.type``) in the training and held-out sets: the reward server's
+  allow-list may have changed since the upload. A 422 again, before any group is enqueued.
+
+A reward server that cannot be reached makes either request a 503 (retry later), never a silent pass.
+Without ``TANDEM_CONTROL_REWARD_URL`` nothing is checked here: the reward server still refuses such a
+function (a 422 on every ``/v1/score`` naming it), but only once rollouts are scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+
+from services.app import ServiceError
+from services.clients import RewardClient
+from services.settings import ControlSettings
+
+CHECK_TIMEOUT_S = 30.0
+"""The whole ``/v1/check`` call, retries included (a function's module is imported on its first check)."""
+CHECK_BATCH = 256
+"""Functions per ``/v1/check`` call (what ``services.wire.CheckFunctions`` takes)."""
+
+
+def spec_functions(spec: object, where: str = "") -> Iterator[tuple[str, str]]:
+    """``(field path, function)`` of every python spec in a spec's JSON form (``parts.1.spec.function``)."""
+    if not isinstance(spec, dict):
+        return
+    if spec.get("type") == "python" and isinstance(spec.get("function"), str):
+        yield f"{where}function", spec["function"]
+    elif spec.get("type") == "combined" and isinstance(spec.get("parts"), list):
+        for i, part in enumerate(spec["parts"]):
+            if isinstance(part, dict):
+                yield from spec_functions(part.get("spec"), f"{where}parts.{i}.spec.")
+
+
+def line_functions(stored: dict, default_type: str) -> Iterator[tuple[str, str]]:
+    """``(field, function)`` of a stored prompt-set line (``services.promptsets.check_line``'s form): a
+    typed line's spec, or an untyped line's ``function`` field when it is checked as ``python``."""
+    if "spec" in stored:
+        yield from spec_functions(stored["spec"])
+    elif default_type == "python":
+        yield from spec_functions({"type": "python", **stored.get("fields", {})})
+
+
+class FunctionCheck:
+    """Asks the reward server whether the functions named at given lines may be called."""
+
+    def __init__(self, settings: ControlSettings) -> None:
+        token = settings.reward_token or settings.token
+        self.url = settings.reward_url
+        self.client = (RewardClient(settings.reward_url, token.get_secret_value() if token else None,
+                                    timeout_s=CHECK_TIMEOUT_S, attempts=3, max_total_s=CHECK_TIMEOUT_S)
+                       if settings.reward_url else None)
+
+    async def refusals(self, named: dict[str, tuple[int, str]]) -> list[dict]:
+        """``{"line", "field", "msg"}`` for each function the reward server refuses, at the first line
+        (1-based) and field that names it; empty when all may be called or there is no server to ask.
+        Raises a 503 :class:`ServiceError` when the reward server cannot be asked."""
+        if self.client is None or not named:
+            return []
+        functions, refused = sorted(named), {}
+        try:
+            for i in range(0, len(functions), CHECK_BATCH):
+                refused |= (await self.client.check(functions[i:i + CHECK_BATCH])).refused
+        except httpx.HTTPError as e:
+            raise ServiceError(503, f"cannot ask the reward server ({self.url}) whether the python reward functions "
+                                    f"{', '.join(functions[:5])} may be called: {e}", retry_after=5) from None
+        return sorted(({"line": named[f][0], "field": named[f][1], "msg": why} for f, why in refused.items()),
+                      key=lambda e: e["line"])
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
