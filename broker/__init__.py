@@ -14,11 +14,13 @@ delivery accounting on that envelope alone:
   retraction.
 - ``ledger``: every group's life and every version event, written by the
   same scripts that change the state (``tandem audit`` checks it).
+- ``lease``: one holder at a time (the learner of a run), renewed or lost.
 - ``embedded``: a real ``redis-server`` child process for local runs.
 """
 
 from broker.admission import Admission, Ticket, accept
 from broker.keys import Keys
+from broker.lease import Lease
 from broker.streams import Delivery, Envelope, QueueFull, Stream, connect
 from broker.weights import WeightRegistry, WeightVersion
 
@@ -27,6 +29,7 @@ __all__ = [
     "Delivery",
     "Envelope",
     "Keys",
+    "Lease",
     "QueueFull",
     "Stream",
     "Ticket",

@@ -124,6 +124,11 @@ class Keys:
         return self._k("evals")
 
     @property
+    def learner_lease(self) -> str:
+        """String: the id of the learner training this run, with a TTL it renews (``broker.lease``)."""
+        return self._k("learner:lease")
+
+    @property
     def incidents(self) -> str:
         """Stream of watchdog incidents (a call that outlived its bound: what, waited, limit, action)."""
         return self._k("incidents")
@@ -144,6 +149,10 @@ RUNS = f"{PREFIX}:runs"
 
 PROMPT_SETS = f"{PREFIX}:prompt-sets"
 """Sorted set prompt_set_id -> upload time: every stored prompt set."""
+
+AUTOSCALER = f"{PREFIX}:autoscaler"
+"""Hash: the rollout autoscaler's state between its ticks (``deploy.autoscale``: containers set,
+consecutive ticks asking for more or fewer, last change, stale drops seen)."""
 
 ACTIVE_RUN = f"{PREFIX}:active-run"
 """String: the id of the run the stack works on (queued or running); absent when idle."""
