@@ -140,13 +140,13 @@ def test_control_plane_fuzz(control_url):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     fuzzed = fuzz(schema, control_url, auth, server_error, EXAMPLES)
     assert len(fuzzed) >= 7 and "POST /v1/prompt-sets" in fuzzed and "POST /v1/runs" in fuzzed, fuzzed
-    # again where the ids exist: the routes get past their lookups (status, metrics, stop)
+    # again where the ids exist: the routes get past their lookups (a set's meta and delete, status, metrics, stop)
     body = "".join(json.dumps(x) + "\n" for x in ARITH_LINES)
     set_id = httpx.post(f"{control_url}/v1/prompt-sets", content=body, headers=auth, timeout=30).json()["id"]
     run = httpx.post(f"{control_url}/v1/runs", json={"prompt_set_id": set_id, "config": run_config()}, headers=auth)
     assert run.status_code == 201, run.text
     known = {"set_id": set_id, "run_id": run.json()["run_id"]}
-    assert len(fuzz(schema, control_url, auth, server_error, EXAMPLES, known)) == 4
+    assert len(fuzz(schema, control_url, auth, server_error, EXAMPLES, known)) == 5
     for headers in ({}, WRONG):
         fuzz(schema, control_url, headers, not_401, EXAMPLES // 4)
     check_outside_schema(control_url, OUTSIDE_SCHEMA["control"])
