@@ -12,6 +12,10 @@
    rollout server already did); every sample must come from that version.
 5. Write ``summary.json`` and the report plots, stop the stack, move its
    directory to ``runs/<run_id>/`` and print that path as the last line.
+   ``accuracy_before`` / ``accuracy_after`` are the held-out accuracy of
+   version 0 and of the final version (mean@n with ``eval.samples = n > 1``,
+   whose pass@k are ``pass_at_before`` / ``pass_at_after`` and each entry's
+   ``pass_at`` in ``evals``).
 6. Audit the run's ledger (:mod:`deploy.audit`, as ``tandem audit``) and
    put the verdict in ``summary.json`` as ``audit``.
 
@@ -33,7 +37,7 @@ from broker import Keys, WeightRegistry, connect
 from control_plane.trackers import TrackerError, preflight
 from deploy.audit import audit_file
 from deploy.progress import progress_bar
-from deploy.report import write_plots, write_summary
+from deploy.report import eval_text, pass_at, write_plots, write_summary
 from deploy.stack import Stack
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
@@ -85,12 +89,29 @@ async def _eval_final(stack: Stack, config: RunConfig, run_id: str, version: int
         await redis.aclose()
 
 
+def eval_fields(points: list[wire.MetricPoint], after: wire.EvalPoint | None, samples: int) -> dict:
+    """summary.json's held-out fields, from the run's ``"eval"`` metric points (one per version) and the
+    final version's result: accuracy before (version 0) and after, every version's point, and with
+    ``samples`` > 1 (accuracy is then mean@samples) pass@k before and after."""
+    evals = {p.step: (p.values["accuracy"], pass_at(p.values)) for p in points if p.source == "eval"}
+    return {
+        "accuracy_before": evals[0][0] if 0 in evals else None,
+        "accuracy_after": after.accuracy if after is not None else None,
+        "eval_prompts": after.count if after is not None else None,
+        "eval_samples": samples,
+        "pass_at_before": (evals[0][1] or None) if 0 in evals else None,
+        "pass_at_after": (after.pass_at or None) if after is not None else None,
+        "evals": [{"version": v, "accuracy": acc} | ({"pass_at": passes} if passes else {})
+                  for v, (acc, passes) in sorted(evals.items())],
+    }
+
+
 def _progress_note(st: wire.RunStatus) -> str:
     lag = st.staleness.max_observed_lag
     note = (f"reward {st.reward_mean if st.reward_mean is not None else float('nan'):.2f}"
             f"  lag<={lag if lag is not None else '-'}  dropped {st.staleness.stale_dropped}")
     if st.eval is not None:
-        note += f"  eval {st.eval.accuracy:.1%} (v{st.eval.version})"
+        note += f"  eval {eval_text(st.eval, every_k=False)} (v{st.eval.version})"
     return note
 
 
@@ -169,13 +190,15 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         after = asyncio.run(_eval_final(stack, config, run_id, version)) if config.eval.after else None
         status = asyncio.run(_status(stack, run_id))
         points = asyncio.run(_metrics(stack, run_id))
-        evals = {p.step: p.values["accuracy"] for p in points if p.source == "eval"}
-        if config.eval.before and 0 not in evals:
+        evals = eval_fields(points, after, config.eval.samples)["evals"]
+        if config.eval.before and not any(e["version"] == 0 for e in evals):
             raise JobError("no held-out evaluation of version 0 was recorded (see the rollout server's log)")
-        console.print("held-out accuracy by policy version: "
-                      + ", ".join(f"v{v} {acc:.1%}" for v, acc in sorted(evals.items())))
+        n = config.eval.samples
+        console.print(f"held-out {'mean@n / pass@n' if n > 1 else 'accuracy'} by policy version: " + ", ".join(
+            f"v{e['version']} {e['accuracy']:.1%}" + (f" / {e['pass_at'][n]:.1%}" if n in e.get("pass_at", {}) else "")
+            for e in evals))
         if after is not None:
-            console.print(f"held-out accuracy after:  {after.accuracy:.1%} (policy version {version}, "
+            console.print(f"held-out accuracy after:  {eval_text(after)} (policy version {version}, "
                           f"{after.count} prompts)")
     finally:
         stack.stop()
@@ -190,10 +213,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
     summary = {
         "run_id": run_id,
         "config": str(config_path),
-        "accuracy_before": evals.get(0),
-        "accuracy_after": after.accuracy if after is not None else None,
-        "eval_prompts": after.count if after is not None else None,
-        "evals": [{"version": v, "accuracy": acc} for v, acc in sorted(evals.items())],
+        **eval_fields(points, after, config.eval.samples),
         "steps": status.run.step,
         "final_version": version,
         "samples": status.counters.get("produced", 0) * config.sampling.group_size,

@@ -22,6 +22,20 @@ def _fmt(x: float | int | None, pct: bool = False) -> str:
     return f"{x:.1%}" if pct else (f"{x:.3g}" if isinstance(x, float) else str(x))
 
 
+def eval_text(point: wire.EvalPoint, every_k: bool = True) -> str:
+    """A held-out result as the CLI shows it: ``45.0%`` (one greedy sample per prompt), or with n samples
+    ``mean@8 45.0%, pass@1 45.0%, pass@2 60.0%, ..., pass@8 80.0%`` (``every_k=False``: pass@n only)."""
+    if point.samples <= 1:
+        return f"{point.accuracy:.1%}"
+    ks = sorted(point.pass_at) if every_k else [k for k in point.pass_at if k == point.samples]
+    return ", ".join([f"mean@{point.samples} {point.accuracy:.1%}", *(f"pass@{k} {point.pass_at[k]:.1%}" for k in ks)])
+
+
+def pass_at(values: dict[str, float]) -> dict[int, float]:
+    """k -> pass@k from an ``"eval"`` metric point's values (``pass_at_<k>``; empty for one sample)."""
+    return {int(name[8:]): v for name, v in values.items() if name.startswith("pass_at_") and name[8:].isdigit()}
+
+
 def runs_table(runs: list[wire.RunRecord]) -> Table:
     table = Table("run", "state", "step", "version", "prompt set", title="runs")
     for r in runs:
@@ -38,6 +52,8 @@ def status_table(st: wire.RunStatus) -> Table:
         ("reward (mean)", _fmt(st.reward_mean)),
         ("held-out accuracy (first -> latest)", f"{_fmt(st.accuracy_first, True)} -> {_fmt(st.accuracy, True)}"
                                                 + (f" (version {st.eval.version})" if st.eval is not None else "")),
+        *([(f"held-out mean@{st.eval.samples} / pass@k", f"{eval_text(st.eval)} (version {st.eval.version})")]
+          if st.eval is not None and st.eval.samples > 1 else []),
         ("staleness eta / max observed lag", f"{s.max_staleness} / {_fmt(s.max_observed_lag)}"),
         ("stale dropped", str(s.stale_dropped)),
         ("queued / in flight / backlog", f"{s.queued} / {s.in_flight} / {s.backlog}"),

@@ -54,11 +54,19 @@ function renderRuns(runs) {
   }
 }
 
+// The newest held-out result: accuracy, or with n samples per prompt mean@n and pass@k for each k measured.
+function evalText(e) {
+  if (e.samples <= 1) return `${fmt(e.accuracy)} (version ${e.version})`;
+  const ks = Object.keys(e.pass_at).map(Number).sort((a, b) => a - b);
+  const passes = ks.map((k) => `pass@${k} ${fmt(e.pass_at[k])}`);
+  return `mean@${e.samples} ${fmt(e.accuracy)}, ${passes.join(", ")} (version ${e.version})`;
+}
+
 function renderStatus(s) {
   document.getElementById("run-title").textContent = `Run ${s.run.run_id}`;
   const items = [
     ["state", s.run.state], ["step", s.run.step], ["policy version", s.run.policy_version],
-    ["reward (mean)", s.reward_mean], ["held-out accuracy", s.eval ? `${fmt(s.eval.accuracy)} (version ${s.eval.version})` : s.accuracy],
+    ["reward (mean)", s.reward_mean], ["held-out accuracy", s.eval ? evalText(s.eval) : s.accuracy],
     ["accuracy before", s.accuracy_first],
     ["max staleness η", s.staleness.max_staleness], ["max observed lag", s.staleness.max_observed_lag],
     ["stale dropped", s.staleness.stale_dropped], ["queued / in flight", `${s.staleness.queued} / ${s.staleness.in_flight}`],

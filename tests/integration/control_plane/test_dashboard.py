@@ -157,7 +157,9 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
                 await log.append("rollout:r0", step, rollout_tokens_per_s=4000 + step, rollout_idle_frac=0.1)
                 if step <= 3:  # a second rollout server, for half the run: a series of its own
                     await log.append("rollout:r1", step, rollout_tokens_per_s=3000 + step)
-            await evals.record(STEPS, EvalResult(0.8, 0.8, 200, frozenset({STEPS}), 0), "rollout:r0")
+            # the last with 4 samples per prompt: mean@4 and pass@k
+            await evals.record(STEPS, EvalResult(0.8, 0.8, 200, frozenset({STEPS}), 0, samples=4,
+                                                 pass_at={1: 0.8, 2: 0.875, 4: 0.95}), "rollout:r0")
             await store.update(run_id, step=STEPS, policy_version=STEPS)
             points = (await client.get(f"/v1/runs/{run_id}/metrics")).json()["points"]
             page = await client.get("/")
@@ -174,7 +176,8 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
     assert console == [], console
     assert 'data-ready="1"' in dom, dom[-3000:]
     assert run_id in text and "running" in text
-    assert f"0.800 (version {STEPS})" in text  # the newest held-out accuracy and the version it measured
+    # the newest held-out result and the version it measured
+    assert f"mean@4 0.800, pass@1 0.800, pass@2 0.875, pass@4 0.950 (version {STEPS})" in text
     assert set(page.charts) == set(CHARTS)
     for chart_id, (_title, names) in CHARTS.items():
         chart = page.charts[chart_id]
@@ -187,7 +190,7 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
             name, _, source = label.partition(" · ")
             assert _shows(value, _latest(points, name, source or None)), (chart_id, label, value)
     drawn = {cid: page.charts[cid]["drawn"] for cid in CHARTS}
-    assert drawn["reward"] == {"reward_mean": STEPS, "accuracy": 2}
+    assert drawn["reward"] == {"reward_mean": STEPS, "accuracy": 2, "pass_at_n": 1}
     assert drawn["staleness"] == {"lag_max": STEPS, "lag_mean": STEPS, "stale_dropped": STEPS}
     assert drawn["throughput"] == {
         "rollout_tokens_per_s · rollout:r0": STEPS, "rollout_tokens_per_s · rollout:r1": 3, "learner_tokens_per_s": STEPS
@@ -253,7 +256,7 @@ async def test_open_page_picks_up_new_points(serve_control, control_redis, tmp_p
     assert console == [], console
     assert hook.polls >= 2, "the page never polled again"
     reward = page.charts["reward"]
-    assert reward["drawn"] == {"reward_mean": 2 * STEPS, "accuracy": 0}
+    assert reward["drawn"] == {"reward_mean": 2 * STEPS, "accuracy": 0, "pass_at_n": 0}
     assert reward["canvases"] == 1  # the chart was updated in place, not drawn twice
     assert reward["legend"][1][0] == "reward_mean" and _shows(reward["legend"][1][1], 0.05 * 2 * STEPS)
     assert str(2 * STEPS) in " ".join(page.text)  # the status moved on too

@@ -38,3 +38,40 @@ def test_due_versions():
     every10 = EvalConfig(every=10)
     assert [v for v in range(31) if due(v, every10)] == [0, 10, 20, 30]
     assert [v for v in range(31) if due(v, EvalConfig(before=False))] == []
+
+
+def test_several_samples_show_mean_at_n_and_pass_at_k():
+    point = wire.EvalPoint(version=20, accuracy=0.45, count=200, by="rollout-0", samples=8,
+                           pass_at={1: 0.45, 2: 0.6, 4: 0.7, 8: 0.8})
+    st = _status(point)
+    console = Console(record=True, width=200)
+    console.print(status_table(st))
+    text = console.export_text()
+    assert "62.0% -> 45.0% (version 20)" in text  # accuracy keeps its place: mean@8 now
+    assert "mean@8 45.0%, pass@1 45.0%, pass@2 60.0%, pass@4 70.0%, pass@8 80.0% (version 20)" in text
+    assert _progress_note(st).endswith("eval mean@8 45.0%, pass@8 80.0% (v20)")
+    one = wire.EvalPoint(version=20, accuracy=0.84, count=200)
+    console = Console(record=True, width=200)
+    console.print(status_table(_status(one)))
+    assert "pass@" not in console.export_text() and "mean@" not in console.export_text()
+
+
+def test_summary_fields_of_one_and_of_several_samples():
+    from deploy.main_job import eval_fields
+
+    def point(version: int, **values: float) -> wire.MetricPoint:
+        return wire.MetricPoint(id=f"{version}-0", t=0.0, source="eval", step=version, values=values)
+
+    greedy = [point(0, accuracy=0.3, count=10), point(5, accuracy=0.7, count=10)]
+    after = wire.EvalPoint(version=5, accuracy=0.7, count=10)
+    assert eval_fields(greedy, after, 1) == {
+        "accuracy_before": 0.3, "accuracy_after": 0.7, "eval_prompts": 10, "eval_samples": 1,
+        "pass_at_before": None, "pass_at_after": None,
+        "evals": [{"version": 0, "accuracy": 0.3}, {"version": 5, "accuracy": 0.7}]}
+    sampled = [point(0, accuracy=0.3, count=10, samples=4, pass_at_1=0.3, pass_at_2=0.45, pass_at_4=0.6, pass_at_n=0.6),
+               point(5, accuracy=0.7, count=10, samples=4, pass_at_1=0.7, pass_at_2=0.8, pass_at_4=0.9, pass_at_n=0.9)]
+    after = wire.EvalPoint(version=5, accuracy=0.7, count=10, samples=4, pass_at={1: 0.7, 2: 0.8, 4: 0.9})
+    fields = eval_fields(sampled, after, 4)
+    assert (fields["accuracy_before"], fields["accuracy_after"], fields["eval_samples"]) == (0.3, 0.7, 4)
+    assert fields["pass_at_before"] == {1: 0.3, 2: 0.45, 4: 0.6} and fields["pass_at_after"] == {1: 0.7, 2: 0.8, 4: 0.9}
+    assert fields["evals"][1] == {"version": 5, "accuracy": 0.7, "pass_at": {1: 0.7, 2: 0.8, 4: 0.9}}
