@@ -21,7 +21,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None):
 
 def serve(settings: ControlSettings, config: RunConfig | None = None) -> None:
     """Run the control plane in the foreground (``tandem serve control``)."""
-    from services.app import serve as _serve
+    from services.serving import serve as _serve
 
     _serve(build_app(settings, config), settings)
 

@@ -2,7 +2,7 @@
 
 Who talks to whom: a browser loads ``/`` (``/?token=T`` once to get a
 read-only session cookie, valid ``TANDEM_CONTROL_SESSION_MAX_AGE_S``, 12 h
-by default, and accepted by the control plane only; see ``services.app``;
+by default, and accepted by the control plane only; see ``services.security``;
 the page then signs in again), then the page's script
 polls this control plane's own JSON routes — ``/v1/runs``, ``/v1/runs/{id}``
 and ``/v1/runs/{id}/metrics?since=`` — and draws the charts with uPlot

@@ -36,8 +36,8 @@ from learner.settings import LearnerSettings
 from learner.status import Status
 from learner.trainer import Trainer, close_run
 from services.app import create_app
-from services.app import serve as serve_app
 from services.config import RunConfig
+from services.serving import serve as serve_app
 
 log = logging.getLogger("tandem.learner")
 

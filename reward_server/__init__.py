@@ -22,6 +22,6 @@ def build_app(settings: RewardSettings, config=None) -> FastAPI:
 def serve(settings: RewardSettings, config=None) -> None:
     """Run the reward server in the foreground (blocks)."""
     from reward_server.app import build_app as _build
-    from services.app import serve as _serve
+    from services.serving import serve as _serve
 
     _serve(_build(settings, config), settings)

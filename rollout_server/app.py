@@ -25,8 +25,9 @@ from rollout_server.api import Pending, router
 from rollout_server.engine import Engine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
-from services.app import EXIT_STARTUP_FAILED, create_app, run_server
+from services.app import create_app
 from services.config import RunConfig
+from services.serving import EXIT_STARTUP_FAILED, run_server
 
 log = logging.getLogger("tandem.rollout")
 
@@ -152,7 +153,7 @@ def serve(settings: RolloutSettings, config: RunConfig | None = None) -> None:
     Exits 1 when the engine (or the actor loop) died, 3 when startup failed.
     A port that is taken is found before the engine starts; one taken while
     it starts ends the engine again (uvicorn runs the lifespan's shutdown),
-    and the last line names the port (``services.app.run_server``).
+    and the last line names the port (``services.serving.run_server``).
     """
     import uvicorn
 

@@ -11,6 +11,7 @@ HEAVY = ("torch", "vllm", "deepspeed", "transformers")
 def test_light_modules_import_without_heavy_packages():
     code = (
         "import sys, deploy.cli, services.config, services.wire, services.reward_specs, services.settings, services.app, "
+        "services.security, services.serving, "
         "services.clients, broker, broker.embedded\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -98,7 +98,7 @@ def last_line(log: Path) -> str:
 
 
 def test_port_problem_is_what_uvicorn_would_meet():
-    from services.app import port_problem
+    from services.serving import port_problem
 
     port = free_port()
     assert port_problem("127.0.0.1", port) is None

@@ -27,7 +27,7 @@ import time
 import httpx
 import pytest
 
-from services.app import CLIENT_HEADER, session_cookie_value
+from services.security import CLIENT_HEADER, session_cookie_value
 from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config
 from tests.servers import uvicorn_server
 

@@ -14,8 +14,8 @@ Properties:
   422 naming lines that exist;
 - without a token, or with a wrong one: every operation in the schema
   answers 401, and so does every route outside it but ``/healthz`` (the one
-  public route, ``services.app.PUBLIC_PATHS``). The one exception is the one
-  ``services.app.Auth`` documents: FastAPI decodes a route's JSON body before
+  public route, ``services.security.PUBLIC_PATHS``). The one exception is the one
+  ``services.security.Auth`` documents: FastAPI decodes a route's JSON body before
   it solves the auth dependency, so a body that is not JSON gets 400 or 422
   (a parse error; the route does not run).
 
@@ -123,7 +123,7 @@ def not_401(case, status: int) -> str | None:
     if status == 401:
         return None
     if status in (400, 422) and case.operation.method.upper() != "GET" and not_json(case.body):
-        return None  # decoded before auth (services.app.Auth); the route did not run
+        return None  # decoded before auth (services.security.Auth); the route did not run
     return "answered without a valid token"
 
 

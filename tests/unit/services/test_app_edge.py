@@ -13,7 +13,8 @@ import httpx
 import pytest
 from fastapi import Request
 
-from services.app import CLIENT_HEADER, create_app, session_cookie_value
+from services.app import create_app
+from services.security import CLIENT_HEADER, session_cookie_value
 from services.settings import ControlSettings
 
 # services.settings.MIN_TOKEN_CHARS: 16
