@@ -112,7 +112,10 @@ def prompt_forms(lines: list[dict], config: RunConfig, chat: bool | None) -> lis
             forms.append(PromptForm(messages=messages))
             continue
         values = {"prompt": line["prompt"]} if "prompt" in line else line.get("inputs", {})
-        text, problems = _filled(settings.template, used, values, number)
+        # a python reward function gets a template line's fields as keywords (services.promptsets.line_specs):
+        # a field the template does not use is then the function's, not unknown
+        python = line.get("spec", {"type": config.reward.type})["type"] == "python"
+        text, problems = _filled(settings.template, used, values, number, others_ok=python)
         errors += problems
         if problems:
             continue
@@ -129,9 +132,10 @@ def prompt_forms(lines: list[dict], config: RunConfig, chat: bool | None) -> lis
     return forms
 
 
-def _filled(template: str | None, used: list[str] | None, values: dict, number: int) -> tuple[str, list[dict]]:
+def _filled(template: str | None, used: list[str] | None, values: dict, number: int,
+            others_ok: bool = False) -> tuple[str, list[dict]]:
     """(the line's text, problems): ``template`` filled from ``values`` (a prompt line's ``{"prompt": text}``
-    or a template line's inputs)."""
+    or a template line's inputs); ``others_ok``: inputs the template does not use are no problem."""
     if template is None:
         if "prompt" in values and len(values) == 1:
             return values["prompt"], []
@@ -146,7 +150,7 @@ def _filled(template: str | None, used: list[str] | None, values: dict, number: 
             problems.append({"line": number, "field": name,
                              "msg": f"prompt.template uses {{{name}}}, and the line has no such field (it has: {have})"})
     for name in values:
-        if name not in used:
+        if name not in used and (name == "prompt" or not others_ok):
             problems.append({"line": number, "field": name, "msg": (
                 "prompt.template does not use {prompt}, so this line's prompt would be lost" if name == "prompt"
                 else "unknown field (not a field of the reward spec, and prompt.template does not use it)")})

@@ -38,7 +38,14 @@ from typing import get_args
 from pydantic import TypeAdapter, ValidationError
 
 from services.config import RunConfig
-from services.reward_specs import REWARD_TYPES, CombinedSpec, RegexSpec, RewardSpec, WeightedSpec
+from services.reward_specs import (
+    REWARD_TYPES,
+    TRL_KEYWORDS,
+    CombinedSpec,
+    RegexSpec,
+    RewardSpec,
+    WeightedSpec,
+)
 from services.wire import Messages
 
 MAX_ERRORS = 20
@@ -347,6 +354,11 @@ def line_specs(lines: list[dict], config: RunConfig) -> list:
             raw = {"type": config.reward.type, **line["fields"]}
             if config.reward.type in EXTRACTING and "extract" not in raw:
                 raw["extract"] = config.reward.extract
+        if raw.get("type") == "python" and line.get("inputs"):
+            # a template line's inputs are its fields too: a python reward function gets every field as a
+            # keyword, as TRL passes every dataset column (those that can be keywords)
+            inputs = {k: v for k, v in line["inputs"].items() if k.isidentifier() and k not in TRL_KEYWORDS}
+            raw = {**raw, "kwargs": {**inputs, **raw.get("kwargs", {})}}
         try:
             spec = SPEC.validate_python(raw)
             if config.reward.format_weight > 0:  # one level and one leaf more: the caps apply to the result
