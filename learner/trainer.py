@@ -19,7 +19,9 @@ One step, in this order:
    stopped on request: SIGTERM, not kill -9): save a checkpoint holding the
    step, ``v_learner``, each rank's RNG state, and the groups held since the
    last one (entry ids and their ledger details);
-5. once the checkpoint is durable, acknowledge the held groups: each becomes
+5. once the checkpoint is durable (on a Modal volume: committed by every
+   node, since a retried learner sees committed files only), acknowledge
+   the held groups: each becomes
    *done* with its ledger ``trained`` entry (``broker.ledger``).
 
 Resume (kill -9 at any point, restart): a crash loses the steps after the
@@ -223,7 +225,7 @@ class Trainer:
     async def _lead(self, state: dict | None) -> None:
         """Rank 0's run: resume, then feed -> step -> publish -> checkpoint -> ack -> report."""
         from broker import Keys, WeightRegistry, connect
-        from learner.engine import crash_point
+        from learner.crash import crash_point
         from learner.feeder import Feeder
         from services import weightstore as store
 
@@ -423,7 +425,7 @@ class Trainer:
     async def _checkpoint(self) -> None:
         """Save this step's checkpoint (collective) with the groups held since the last one, then
         acknowledge them: the checkpoint holds their update."""
-        from learner.engine import crash_point
+        from learner.crash import crash_point
 
         state = {
             "step": self.step, "version": self.version,
@@ -432,6 +434,7 @@ class Trainer:
         self.status.state = "checkpointing"
         t0 = time.monotonic()
         self.engine.save(self.paths.checkpoints, checkpoint_tag(self.step), state)
+        await asyncio.to_thread(self._commit_checkpoint)
         self.status.last_checkpoint_s = time.monotonic() - t0
         self.saved_step, self._saved_at = self.step, time.monotonic()
         crash_point("saved", self.step, self.paths.checkpoints)  # durable, its groups not acked yet
@@ -535,8 +538,26 @@ class Trainer:
                 publish_tensors(engine, self.cfg, torch.float32)  # take part in the gather; rank 0 writes
             if cmd.checkpoint:
                 engine.save(self.paths.checkpoints, checkpoint_tag(cmd.step), {})
+                self._commit_checkpoint()
             if cmd.stop:
                 return not cmd.failed
+
+
+    def _commit_checkpoint(self) -> None:
+        """On a shared volume (Modal), make the checkpoint just saved durable before its groups are
+        acknowledged: one commit per node (each node's ranks wrote their shards into that node's view),
+        then a barrier, so rank 0 acknowledges only once every node's part is committed. A retried
+        learner starts in a fresh container, which sees committed files only. Collective."""
+        import torch
+
+        from services import weightstore as store
+
+        if not self.settings.run_dir_volume:
+            return
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            store.commit_volume(self.settings.run_dir_volume)
+        if self.engine.world > 1:
+            torch.distributed.barrier()
 
 
 def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:
