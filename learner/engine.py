@@ -20,15 +20,12 @@ offers the four things the trainer needs:
   base model under LoRA (no copy), else a second copy, ZeRO-3-sharded when
   the policy is (TRL's approach), otherwise replicated without gradients.
 
-Distributed setup: ``deepspeed.init_distributed`` with gloo on CPU
-(``DS_ACCELERATOR=cpu``), NCCL on GPUs; rank/world from the launcher's
-environment (``torchrun`` / ``deepspeed``), or a single rank when none is set.
+The process group and its bounded collectives are :mod:`learner.distributed`;
+the RNG state saved with a checkpoint :mod:`learner.rng`.
 
-Watchdogs (``[watchdog]``, ``services.watchdog``): the process group's
-timeout is ``watchdog.collective_s``, so a collective whose peer rank stopped
-answering fails instead of waiting forever; the engine turns that failure
-into :class:`CollectiveTimeout`, naming the collective it was in (the
-trainer fails the run with it). Each step, publish gather and checkpoint
+Watchdogs (``[watchdog]``, ``services.watchdog``): every collective is named
+(:func:`learner.distributed.collective`: one whose peer rank stopped answering
+fails past ``watchdog.collective_s``). Each step, publish gather and checkpoint
 save runs under a :class:`~services.watchdog.Watchdog` of
 ``watchdog.step_s``: a thread stuck inside DeepSpeed cannot be interrupted,
 so past the bound the rank logs its stack, records the incident and exits
@@ -38,25 +35,22 @@ from its last checkpoint.
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
-import os
-import random
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from broker.files import write_atomic
 from learner.batch import TrainSeq, collate, pack
+from learner.crash import crash_point
+from learner.distributed import collective, init_distributed
 from learner.loss import LossStats, token_entropy, token_logprobs, token_loss
+from learner.rng import load_rng_state, rng_state, seed_everything, set_rng_state
 from services import watchdog
 from services.config import RunConfig
 
@@ -64,93 +58,6 @@ log = logging.getLogger("tandem.learner")
 
 POINTER = "tandem-latest"
 STATE_FILE = "learner-state.json"
-CRASH_AT = "_TANDEM_CRASH_AT"
-"""Tests only, unset in normal use: ``POINT:STEP,...`` (:func:`crash_point`)."""
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective between learner ranks waited past ``watchdog.collective_s``; the message names it."""
-
-
-_collective_s: float | None = None
-"""The process group's timeout, as :func:`init_distributed` set it (process-wide, like the group)."""
-
-
-@contextmanager
-def collective(name: str, *, step: int | None = None,
-               incidents: watchdog.SyncIncidentLog | None = None) -> Iterator[None]:
-    """Name the collective(s) inside: one whose peer rank stopped answering fails, once the
-    process group's timeout (``watchdog.collective_s``) expires, with :class:`CollectiveTimeout`
-    naming it (logged with this rank's stack, recorded in ``incidents``)."""
-    t0 = time.monotonic()
-    try:
-        yield
-    except CollectiveTimeout:
-        raise
-    except RuntimeError as e:  # gloo and NCCL timeouts arrive as torch.distributed.DistError
-        waited, limit = time.monotonic() - t0, _collective_s
-        text = str(e).lower()
-        if "timed out" not in text and "timeout" not in text and (limit is None or waited < 0.9 * limit):
-            raise
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        inc = watchdog.incident(
-            f"learner rank {rank} of {world}" + (f", step {step}" if step is not None else ""),
-            f"the collective {name} (a peer rank stopped answering)", waited_s=waited,
-            limit_s=limit or waited, field="watchdog.collective_s", action="the run fails",
-            source=f"learner:rank{rank}", stack=watchdog.thread_stack(threading.get_ident()),
-        )
-        log.error("%s\n%s", watchdog.message(inc), inc.stack)
-        if incidents is not None:
-            try:
-                incidents.append(inc)
-            except Exception as e2:  # noqa: BLE001  the error below matters more than the record
-                log.error("could not record the incident: %r", e2)
-        raise CollectiveTimeout(f"{watchdog.message(inc)}: {e}") from e
-
-
-def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
-    """Initialise torch.distributed for DeepSpeed (idempotent); return (rank, world).
-
-    ``timeout_s``: the process group's collective timeout (``watchdog.collective_s``; DeepSpeed's
-    default, 600 s, otherwise)."""
-    global _collective_s
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if "RANK" not in os.environ:
-        # single process without a launcher: a one-rank group on a free local port
-        from broker.processes import free_port
-
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if not torch.distributed.is_initialized():
-        backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-        kw = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
-        _without_shm_op()
-        deepspeed.init_distributed(dist_backend=backend, **kw)
-        _collective_s = timeout_s
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def preload() -> None:
-    """Import what building an :class:`Engine` imports (10-23 s measured on two busy cores), so that a
-    learner waiting for its first run has done it before the run arrives.
-    ``torch._inductor``: ``deepspeed.initialize`` checks the optimizer against a list that imports
-    DeepSpeed's Muon optimizer, whose ``torch.compile`` decorators import it (3.8 s of those)."""
-    for module in ("deepspeed", "deepspeed.runtime.engine", "transformers.modeling_utils", "torch._inductor.compile_fx"):
-        importlib.import_module(module)
-
-
-def _without_shm_op() -> None:
-    """Keep DeepSpeed's communication backend from building its shared-memory all-reduce op.
-
-    On CPU, DeepSpeed's ``TorchBackend`` JIT-compiles the C++ op ``deepspeed_shm_comm`` whenever it
-    starts, even on one rank: 75-395 s measured on two cores, again whenever the shared build cache
-    (``~/.cache/torch_extensions``) was last built with other flags. The op serves only
-    ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers); training never calls it:
-    ZeRO's collectives go through ``torch.distributed`` (gloo), on any number of ranks."""
-    # by name: ``import deepspeed.comm.torch`` binds deepspeed.comm's attribute ``torch``, the torch package
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def ds_config(cfg: RunConfig) -> dict:
@@ -501,57 +408,8 @@ def _hf_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def crash_point(point: str, step: int, marker_dir: Path) -> None:
-    """SIGKILL this process at ``point`` of ``step`` if :data:`CRASH_AT` names ``point:step``, once per
-    run (the marker file ``marker_dir/crashed-POINT-STEP`` says it happened). Off unless set: it lets a
-    test kill the learner inside a window that a kill -9 from outside hits only by chance
-    (tests/integration/deploy/test_main_job.py)."""
-    if f"{point}:{step}" not in os.environ.get(CRASH_AT, "").split(","):
-        return
-    marker = Path(marker_dir) / f"crashed-{point}-{step}"
-    if marker.exists():
-        return
-    marker.touch()
-    log.warning("%s=%s: killing the learner at %s of step %d", CRASH_AT, os.environ[CRASH_AT], point, step)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _tag_step(p: Path) -> int:
     digits = p.name.removeprefix("step")
     return int(digits) if digits.isdigit() else -1
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict:
-    import numpy as np
-
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def load_rng_state(path: Path) -> dict:
-    """Read a file :func:`rng_state` wrote, with ``weights_only=True``: the checkpoint directory is
-    data, and unpickling it with ``weights_only=False`` would run any code a writer put there.
-    Beyond torch's own types, only what numpy's MT19937 key (a uint32 ``ndarray``) needs is
-    allowed; an object array would still unpickle its items through the restricted unpickler."""
-    import numpy as np
-
-    keys = np.random.get_state()[1]
-    # _reconstruct lives in numpy.core or numpy._core, by numpy version: take it from an array
-    allowed = [keys.__reduce__()[0], np.ndarray, np.dtype, type(keys.dtype)]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, weights_only=True)
-
-
-def set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])

@@ -66,7 +66,7 @@ class RankChannel:
         if self.world > 1:
             import torch
 
-            from learner.engine import CollectiveTimeout, collective
+            from learner.distributed import CollectiveTimeout, collective
 
             try:
                 with collective("broadcast of rank 0's step command"):
@@ -81,7 +81,7 @@ def receive() -> RankCommand:
     """Ranks > 0: wait for rank 0's next command."""
     import torch
 
-    from learner.engine import collective
+    from learner.distributed import collective
 
     box: list[RankCommand | None] = [None]
     with collective("broadcast of rank 0's step command"):

@@ -11,7 +11,7 @@ Two modes:
 
 - ``TANDEM_RUN_ID`` set: train that run with ``--config`` (standalone).
 - unset (the local stack, docker-compose): follow the control plane. Import
-  what the engine needs (``learner.engine.preload``), then wait
+  what the engine needs (``learner.distributed.preload``), then wait
   for the active run in the run registry (``services.runs.RunStore``), mark
   it ``running``, train it with the config it was submitted with, mark it
   ``finished`` or ``failed``; stop early when it is stopped; end the run's
@@ -30,7 +30,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from learner.engine import preload
+from learner.distributed import preload
 from learner.metrics import LearnerMetrics
 from learner.settings import LearnerSettings
 from learner.status import Status

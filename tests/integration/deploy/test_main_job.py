@@ -3,7 +3,7 @@
 - A short run of the example (9 steps, a checkpoint every 3, 16 held-out
   prompts) on the real stack (embedded Redis, reward sandboxes, vLLM,
   DeepSpeed). The learner kills itself (SIGKILL, ``_TANDEM_CRASH_AT``:
-  :func:`learner.engine.crash_point`) in the three windows that a kill -9
+  :func:`learner.crash.crash_point`) in the three windows that a kill -9
   from outside hits only by chance: after publishing step 6's version but
   before its checkpoint and acknowledgement; in the middle of step 9's
   checkpoint (files written, pointer not replaced); after step 9's checkpoint

@@ -1,7 +1,7 @@
 """The learner compiles nothing when it starts, on one rank or two.
 
 DeepSpeed's CPU communication backend JIT-compiles a C++ op (``deepspeed_shm_comm``) when the
-process group starts, unless told not to (``learner.engine._without_shm_op``): 30-130 s on this
+process group starts, unless told not to (``learner.distributed._without_shm_op``): 30-130 s on this
 machine, before the first step. Here the learner's engine takes a real ZeRO-2 step
 (``tests.selfcheck``) with an empty extension cache and a C++ compiler that only records that it
 was called and fails.

@@ -2,7 +2,7 @@
 
 The checkpoint directory is data (docs/architecture.md section 7): a file there
 must not be able to run code in the learner when it resumes, so
-``learner.engine.load_rng_state`` unpickles with ``weights_only=True``.
+``learner.rng.load_rng_state`` unpickles with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.engine import load_rng_state, rng_state, seed_everything, set_rng_state
+from learner.rng import load_rng_state, rng_state, seed_everything, set_rng_state
 
 
 def _draws() -> tuple:
