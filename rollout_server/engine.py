@@ -136,6 +136,26 @@ def checkpoint_dtype(model_dir: Path) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
+def render_chat(tokenizer: Any, messages: list[Message], chat_template_kwargs: dict,
+                model_dir: Path | str = "the model") -> tuple[str, list[int]]:
+    """(text, token ids) of chat ``messages`` as ``tokenizer``'s own chat template renders them, the
+    assistant's turn opened (``add_generation_prompt``), ``chat_template_kwargs`` passed to the template.
+
+    The template writes whatever special tokens it wants (a BOS, say), so encoding adds none: what
+    vLLM's chat endpoint does too. Raises :class:`InvalidRequest` naming ``messages`` when the
+    tokenizer has no chat template or the template refuses the messages (its ``raise_exception``)."""
+    import jinja2
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise InvalidRequest("messages", f"the tokenizer of {model_dir} has no chat template; send a prompt instead")
+    try:
+        text = tokenizer.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
+                                             add_generation_prompt=True, **chat_template_kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        raise InvalidRequest("messages", f"the chat template refused these messages: {e}") from e
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -322,6 +342,17 @@ class Engine:
     def tokenize(self, text: str) -> list[int]:
         # add_special_tokens=True is what vLLM does for completion prompts
         return list(self._tokenizer.encode(text, add_special_tokens=True))
+
+    def render(self, messages: list[Message], chat_template_kwargs: dict) -> tuple[str, list[int]]:
+        """(text, token ids) of chat ``messages`` with the model's chat template (:func:`render_chat`)."""
+        return render_chat(self._tokenizer, messages, chat_template_kwargs, self.model_dir)
+
+    def prompt_ids(self, prompt: str | None, messages: list[Message] | None,
+                   chat_template_kwargs: dict) -> tuple[str, list[int]]:
+        """(text, token ids) of a prompt text (:meth:`tokenize`) or of chat messages (:meth:`render`)."""
+        if messages is not None:
+            return self.render(messages, chat_template_kwargs)
+        return prompt, self.tokenize(prompt)
 
     def render(self, messages: list[Message], chat_template_kwargs: dict) -> tuple[str, list[int]]:
         """(text, token ids) of chat ``messages`` as the model's own chat template renders them, the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from broker import Keys
+from broker.keys import PROMPT_SETS
 from services.wire import EvalPrompt, PromptGroup, decode
 from tests.fixtures.control import READ_TOKEN, WRITE_TOKEN, run_config
 
@@ -135,6 +136,7 @@ async def test_prompt_sets_are_listed_shown_and_deleted_with_auth(control):
     assert (await _create(control, first, run_config())).status_code == 404
     keys = {k.decode() async for k in control.redis.scan_iter(match=f"*{first}*")}
     assert not keys, keys  # its lines and meta are gone
+    assert await control.redis.zscore(PROMPT_SETS, first) is None  # and its entry in the index
     store = control.app.state.prompt_sets
     left = await store.stored_bytes()  # its bytes no longer count against the stored total
     assert await _upload(control, MESSAGES) == first  # the same content stores again
