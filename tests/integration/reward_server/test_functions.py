@@ -6,10 +6,13 @@ operator would put one on ``PYTHONPATH``; the server's spawned workers import it
 
 from __future__ import annotations
 
+import json
 import textwrap
 import uuid
 
 import pytest
+
+TOKEN = "reward-functions-token"
 
 MODULE = '''
 import os, time
@@ -173,3 +176,37 @@ async def test_unknown_or_disallowed_functions_are_refused_naming_them(reward_ap
         resp = await client.post("/v1/check", json={"functions": ["os.system"]})
         assert resp.status_code == 422
     assert not (tmp_path / "imported").exists()  # a refused module is never imported
+
+
+def test_tandem_serve_reward_takes_the_allow_list_and_the_path_from_its_environment(tmp_path, rewards_module):
+    """As an operator runs it: ``tandem serve reward`` in a process of its own, the module on its
+    PYTHONPATH, the allow-list a JSON list in TANDEM_REWARD_FUNCTIONS."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from broker.processes import free_port, stop_group
+    from deploy.stack import wait_healthy
+    from tests.fixtures.reward import REPO
+
+    port, log = free_port(), tmp_path / "reward.log"
+    env = {**os.environ, "TANDEM_TOKEN": TOKEN, "TANDEM_REWARD_SANDBOX": "none", "TANDEM_LOG_LEVEL": "warning",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+           "TANDEM_REWARD_FUNCTIONS": json.dumps([f"{rewards_module}:match"])}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "reward", "--port", str(port)],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, 90, log)
+        spec = {"type": "python", "function": f"{rewards_module}:match", "solution": "42"}
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60) as client:
+            got = client.post("/v1/score", json={"items": [item(0, "42", spec), item(1, "7", spec)]})
+            assert [r["reward"] for r in got.json()["results"]] == [1.0, 0.0], got.text
+            other = client.post("/v1/check", json={"functions": [f"{rewards_module}:batch_size"]}).json()
+            assert "not allowed" in other["refused"][f"{rewards_module}:batch_size"]  # only the one named
+    finally:
+        stop_group(proc)
+
