@@ -163,4 +163,4 @@ def _filled(template: str | None, used: list[str] | None, values: dict, number: 
 
 
 def _text(value: object) -> str:
-    return value if isinstance(value, str) else json.dumps(value)
+    return value if isinstance(value, str) else str(value)  # a number, as the line wrote it

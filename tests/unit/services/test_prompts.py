@@ -109,7 +109,7 @@ def test_a_template_line_needs_a_template():
     assert errors(e.value) == [(1, "prompt")] and "question" in str(e.value)
 
 
-def test_a_prompt_line_is_filled_in_as_prompt_and_numbers_as_json():
+def test_a_prompt_line_is_filled_in_as_prompt_and_numbers_as_text():
     lines = stored({"prompt": "2+2", "answer": "4"}, {"a": 12, "b": 1.5, "answer": "x"})
     assert prompt_forms(lines[:1], config(template="Q: {prompt}\nA:"), chat=None)[0].prompt == "Q: 2+2\nA:"
     assert prompt_forms(lines[1:], config(template="{a} and {b}"), chat=None)[0].prompt == "12 and 1.5"
