@@ -68,7 +68,7 @@ def preload(modules: list[str]) -> None:
     for module in modules:
         try:
             importlib.import_module(module)
-        except Exception as e:  # noqa: BLE001 - any import error is reported by resolve(), naming it
+        except BaseException as e:  # noqa: BLE001 - any import error is reported by resolve(), naming it
             log.warning("reward functions: cannot import %s: %s: %s", module, type(e).__name__, e)
 
 
@@ -88,7 +88,7 @@ def load(function: str, pattern: str) -> Callable:
     module_name, name = split(function)
     try:
         module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - the user's module may raise anything on import
+    except BaseException as e:  # noqa: BLE001 - the user's module may raise anything on import, sys.exit() too
         raise FunctionError(f"cannot import {module_name}: {_summary(e)}") from None
     obj = getattr(module, name, None)
     if obj is None:
@@ -162,6 +162,7 @@ def call(function: str, pattern: str, prompts: list, completions: list, columns:
     fn = load(function, pattern)
     try:
         out = fn(prompts=prompts, completions=completions, **columns, **args)
-    except Exception as e:  # noqa: BLE001 - the user's function may raise anything: reported, never scored
+    except BaseException as e:  # noqa: BLE001 - the user's function may raise anything: reported, never scored;
+        # SystemExit and KeyboardInterrupt too, which pebble would otherwise hand on to the server's event loop
         raise FunctionError(_summary(e)) from None
     return normalise(out, len(completions))

@@ -52,6 +52,9 @@ def slow(prompts, completions, **kwargs):
 
 def dies(prompts, completions, **kwargs):
     os._exit(3)
+
+def exits(prompts, completions, **kwargs):
+    raise SystemExit(4)
 '''
 
 
@@ -136,6 +139,7 @@ async def test_failures_are_reward_errors_never_scores(reward_app, rewards_modul
             item(5, "a", {"type": "combined", "parts": [  # one failed part fails the whole reward
                 {"weight": 1.0, "spec": {"type": "exact", "answer": "a", "extract": "whole"}},
                 {"weight": 1.0, "spec": {"type": "python", "function": f"{m}:raises"}}]}),
+            item(6, "a", {"type": "python", "function": f"{m}:exits"}),  # the function's exit, not the server's
         ])
         assert all(r["status"] == "reward_error" and r["reward"] is None for r in got), got
         details = [r["detail"] for r in got]
@@ -144,6 +148,7 @@ async def test_failures_are_reward_errors_never_scores(reward_app, rewards_modul
         assert "took over 1.5 s" in details[3]
         assert "worker died" in details[4]
         assert "python=reward_error" in details[5]
+        assert "SystemExit: 4" in details[6]
         # the pool replaced what it killed: the server still scores
         ok = await score(client, [item(0, "42", {"type": "python", "function": f"{m}:match", "solution": "42"})])
         assert ok[0]["reward"] == 1.0
