@@ -7,14 +7,14 @@ On a randomly initialised Qwen3-architecture model (default ~0.5B
 parameters: hidden 1024, 32 layers, 16 query / 8 KV heads of 128, MLP 3072,
 character vocabulary), built in code since nothing can be downloaded:
 
-1. for ZeRO-2 and ZeRO-3 in bf16, the learner's own ``Engine.train_step`` on
+1. for ZeRO-2 and ZeRO-3 in bf16, the learner's own ``LearnerEngine.train_step`` on
    synthetic trajectory groups (G = 8, 64-token prompts, 448-token
    completions): tokens/s after warm-up steps, and MFU = tokens/s x 6 x
    parameters / the GPU's dense bf16 peak (``--peak-tflops``, default 989.4
    for an H100/H200 SXM); 6 x N is the usual forward + backward estimate
    (attention FLOPs left out, so MFU is slightly understated);
 2. publishing a version as the trainer does: gather the full weights
-   (``Engine.full_state_dict``) and write them with
+   (``LearnerEngine.full_state_dict``) and write them with
    ``services.weightstore.write_version`` (safetensors + sha256 + atomic
    rename), in GB/s;
 3. if vLLM imports, generation tokens/s of ``LLM.generate`` on the same model
@@ -75,7 +75,7 @@ def learner_step(model: Path, params: int, stage: int, args, work: Path) -> dict
     import torch
 
     from learner.batch import build_batch
-    from learner.engine import Engine
+    from learner.engine import LearnerEngine
     from services import weightstore
     from services.config import RunConfig
 
@@ -87,7 +87,7 @@ def learner_step(model: Path, params: int, stage: int, args, work: Path) -> dict
                     "micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing},
         "loss": {"beta": 0.0},
     })
-    engine = Engine(cfg)
+    engine = LearnerEngine(cfg)
     timed, tokens = [], 0
     for step in range(args.warmup + args.steps):
         groups = synthetic_groups(engine.vocab_size, args.groups, args.group_size, args.prompt_len,

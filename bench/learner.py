@@ -8,7 +8,7 @@ Builds a Qwen3-architecture model of at least 20M parameters from code
 1. for each ZeRO stage 0, 2, 3: trains ``--steps`` GRPO steps on synthetic
    trajectory groups (after one warm-up step) and reports training tokens/s;
 2. for each stage: publishes the weights exactly as the learner does
-   (``Engine.full_state_dict`` - a ZeRO-3 gather for stage 3 - then
+   (``LearnerEngine.full_state_dict`` - a ZeRO-3 gather for stage 3 - then
    ``services.weightstore.write_version``, the learner's publish writer:
    ``safetensors.torch.save_file``, fsync beside the sha256, record, rename)
    and reports seconds and GB/s;
@@ -97,7 +97,7 @@ def main() -> None:
 
     from examples.tiny import parameter_count, tiny_qwen3
     from learner.batch import build_batch
-    from learner.engine import Engine
+    from learner.engine import LearnerEngine
     from services import weightstore as store
     from services.config import RunConfig
 
@@ -116,7 +116,7 @@ def main() -> None:
             "sampling": {"max_tokens": args.completion},
             "learner": {"zero_stage": stage, "lr": 1e-5, "micro_batch_tokens": 2048},
         })
-        engine = Engine(cfg)
+        engine = LearnerEngine(cfg)
         tokens = 0
         elapsed = 0.0
         for step in range(args.steps + 1):

@@ -6,7 +6,7 @@ For two random Qwen3-architecture models (about 5M and 25M parameters, built
 in code by ``examples.tiny``), DeepSpeed ZeRO stages 0, 2 and 3 and activation
 checkpointing off and on (12 configurations), each in a fresh child process
 (one rank, ``DS_ACCELERATOR=cpu``, gloo) so that no peak carries over: the
-learner's own ``learner.engine.Engine`` (the code path ``bench/gpu.py``
+learner's own ``learner.engine.LearnerEngine`` (the code path ``bench/gpu.py``
 times) in its default precision, fp32, runs ``STEPS`` real GRPO optimizer
 steps on synthetic groups (``bench.gpu.synthetic_groups`` through
 ``learner.batch.build_batch``). The table puts the peak beside the
@@ -124,7 +124,7 @@ def measure_here(model: Path, zero_stage: int, checkpointing: bool) -> dict:
 
     from bench.gpu import synthetic_groups
     from learner.batch import build_batch
-    from learner.engine import Engine
+    from learner.engine import LearnerEngine
     from services.config import RunConfig
 
     cfg = RunConfig.model_validate({
@@ -138,7 +138,7 @@ def measure_here(model: Path, zero_stage: int, checkpointing: bool) -> dict:
     rss_before = _vm("VmRSS")
     started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        engine = Engine(cfg)
+        engine = LearnerEngine(cfg)
         ds_step = engine.engine.step
 
         def annotated_step(*a, **kw):  # marks the optimizer step's window in the profile; runs it as is

@@ -7,7 +7,7 @@ A full-parameter Qwen3-8B version is 16.4 GB in bf16 (``deploy/presets.py``). On
 bf16 tensors in 256 MB pieces (layer-sized) on the GPU (CPU without one), it times:
 
 1. ``d2h_pageable`` / ``d2h_pinned``: device-to-host copy into ordinary and into pinned memory
-   (the gather's floor: ``Engine.full_state_dict`` copies into ordinary memory today);
+   (the gather's floor: ``LearnerEngine.full_state_dict`` copies into ordinary memory today);
 2. ``write``: ``services.weightstore.write_version`` to local disk (safetensors + fsync + sha256 +
    atomic rename), what the learner does for every version;
 3. ``verify`` and ``read``: the rollout side, ``weightstore.verify`` (sha256 of the files) and

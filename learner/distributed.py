@@ -1,7 +1,7 @@
 """Setting up a learner rank's distributed side: DeepSpeed imported ahead, the process group, named collectives.
 
 Who calls it: ``learner.service`` calls :func:`preload` while it waits for its first run;
-``learner.engine.Engine`` calls :func:`init_distributed` when it is built and wraps its
+``learner.engine.LearnerEngine`` calls :func:`init_distributed` when it is built and wraps its
 collectives in :func:`collective`; ``learner.ranks`` does the same for the commands rank 0
 broadcasts to the other ranks.
 
@@ -96,7 +96,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
 
 def preload() -> None:
-    """Import what building a ``learner.engine.Engine`` imports (10-23 s measured on two busy cores),
+    """Import what building a ``learner.engine.LearnerEngine`` imports (10-23 s measured on two busy cores),
     so that a learner waiting for its first run has done it before the run arrives.
     ``torch._inductor``: ``deepspeed.initialize`` checks the optimizer against a list that imports
     DeepSpeed's Muon optimizer, whose ``torch.compile`` decorators import it (3.8 s of those)."""
@@ -108,10 +108,9 @@ def _without_shm_op() -> None:
     """Keep DeepSpeed's communication backend from building its shared-memory all-reduce op.
 
     On CPU, DeepSpeed's ``TorchBackend`` JIT-compiles the C++ op ``deepspeed_shm_comm`` whenever it
-    starts, even on one rank (minutes on two cores: docs/performance.md, "Fixed costs"), again
-    whenever the shared build cache (``~/.cache/torch_extensions``) was last built with other flags.
-    The op serves only ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers);
-    training never calls it: ZeRO's collectives go through ``torch.distributed`` (gloo), on any
-    number of ranks."""
+    starts, even on one rank: 75-395 s measured on two cores, again whenever the shared build cache
+    (``~/.cache/torch_extensions``) was last built with other flags. The op serves only
+    ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers); training never calls it:
+    ZeRO's collectives go through ``torch.distributed`` (gloo), on any number of ranks."""
     # by name: ``import deepspeed.comm.torch`` binds deepspeed.comm's attribute ``torch``, the torch package
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None

@@ -1,6 +1,6 @@
 """The DeepSpeed engine around a Hugging Face causal LM.
 
-One :class:`Engine` per rank. It loads ``model.path`` with
+One :class:`LearnerEngine` per rank. It loads ``model.path`` with
 ``AutoModelForCausalLM`` (optionally wrapped in a peft LoRA adapter), hands
 it to ``deepspeed.initialize`` with ZeRO stage 0-3, optimizer/parameter
 offload, fp32/bf16 and activation checkpointing from ``[learner]``, and
@@ -73,7 +73,7 @@ def ds_config(cfg: RunConfig) -> dict:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     return {
         # the trainer decides the batch; DeepSpeed sees one "sample" per micro-step and
-        # the accumulation boundary is set by hand (see Engine.train_step)
+        # the accumulation boundary is set by hand (see LearnerEngine.train_step)
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": lc.grad_clip,
@@ -87,7 +87,7 @@ def ds_config(cfg: RunConfig) -> dict:
     }
 
 
-class Engine:
+class LearnerEngine:
     """A DeepSpeed-wrapped policy (and reference) on this rank."""
 
     def __init__(self, cfg: RunConfig, incidents: watchdog.SyncIncidentLog | None = None) -> None:

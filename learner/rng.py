@@ -1,6 +1,6 @@
 """This rank's random number generators (Python, numpy, torch): seeded, saved with a checkpoint, restored.
 
-``learner.engine.Engine`` seeds them from ``learner.seed`` when it is built, saves
+``learner.engine.LearnerEngine`` seeds them from ``learner.seed`` when it is built, saves
 :func:`rng_state` beside each checkpoint (one file per rank) and restores it on load, so that a
 resumed run draws what an uninterrupted one would have.
 """

@@ -189,7 +189,7 @@ class Trainer:
     async def run(self) -> None:
         import torch
 
-        from learner.engine import Engine
+        from learner.engine import LearnerEngine
 
         incidents = None
         if self.settings.redis_url:
@@ -197,7 +197,7 @@ class Trainer:
             from services.watchdog import SyncIncidentLog
 
             incidents = SyncIncidentLog(self.settings.redis_url, Keys(self.run_id))
-        engine = Engine(self.cfg, incidents=incidents)
+        engine = LearnerEngine(self.cfg, incidents=incidents)
         self.engine = engine
         self.status.rank_count = engine.world
         state = engine.load(self.paths.checkpoints)
@@ -410,7 +410,7 @@ class Trainer:
             from services.evaluate import EvalLog, due
 
             scores = {v: p.accuracy for v, p in (await EvalLog(self.redis, self.keys).points()).items()}
-        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=pub.keep_best,
+        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=0,
                                 scores=scores, due=lambda v: due(v, self.cfg.eval))
         for v in sorted(delete):
             path = store.version_dir(self.paths.weights, v)

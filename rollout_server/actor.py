@@ -7,7 +7,7 @@ config). Who it talks to:
   ``prompts`` stream it reads, the ``trajectories`` stream it appends to,
   the weight registry it watches (``broker.WeightRegistry``);
 - the reward server: one ``POST /v1/score`` per group (``RewardClient``);
-- its own engine (``Engine``), directly, not over HTTP.
+- its own engine (``RolloutEngine``), directly, not over HTTP.
 
 One group, start to end:
 
@@ -74,7 +74,7 @@ from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRe
 from broker.ledger import Ledger
 from broker.streams import raise_if_cancelled
 from broker.weights import WeightVersion
-from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
+from rollout_server.engine import EngineDead, InvalidRequest, RolloutEngine, Sampling
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import WeightLoadError
@@ -108,7 +108,7 @@ class Actor:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: RolloutEngine,
         *,
         redis,
         keys: Keys,

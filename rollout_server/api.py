@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from broker import Keys, WeightRegistry, WeightVersion, connect
 from broker.ledger import Ledger
-from rollout_server.engine import Engine, EngineDead, InvalidRequest, Sampling
+from rollout_server.engine import EngineDead, InvalidRequest, RolloutEngine, Sampling
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import WeightLoadError, confine
 from services import weightstore
@@ -55,8 +55,8 @@ class Pending:
         self.seqs = 0
 
 
-def _engine(request: Request) -> Engine:
-    engine: Engine | None = getattr(request.app.state, "engine", None)
+def _engine(request: Request) -> RolloutEngine:
+    engine: RolloutEngine | None = getattr(request.app.state, "engine", None)
     if engine is None or not engine.alive:
         reason = engine.dead_reason if engine is not None else "engine not started"
         raise ServiceError(503, f"engine unavailable: {reason}", retry_after=5)
@@ -173,7 +173,7 @@ async def load_weights(body: LoadWeights, request: Request) -> WeightsStatus:
     except WeightLoadError as e:
         raise ServiceError(e.status, e.message) from e
     if body.version <= engine.version:
-        return engine.status()  # not newer: a no-op, as Engine.load_weights; nothing is read
+        return engine.status()  # not newer: a no-op, as RolloutEngine.load_weights; nothing is read
     run_id, record = await published(settings, body.version)
     if weightstore.uri_to_path(record.uri).resolve() != path:
         raise ServiceError(403, f"uri: version {body.version} of run {run_id} was published at {record.uri}, "

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from rollout_server.actor import Actor, cancel_and_wait
 from rollout_server.api import Pending, router
-from rollout_server.engine import Engine
+from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from services.app import create_app
@@ -42,7 +42,7 @@ def model_dir(settings: RolloutSettings, config: RunConfig | None) -> Path:
     raise ValueError("no model: pass --model DIR or a run config (--config RUN.toml)")
 
 
-def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: Engine | None = None) -> FastAPI:
+def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: RolloutEngine | None = None) -> FastAPI:
     """The rollout server app.
 
     ``engine``: serve an engine started elsewhere (tests share one per session);
@@ -61,7 +61,7 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: E
         owned = engine is None
         eng = engine
         if eng is None:
-            eng = await Engine.start(
+            eng = await RolloutEngine.start(
                 path,
                 rs,
                 metrics=metrics,
@@ -107,7 +107,7 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: E
     return app
 
 
-async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
+async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
     from broker import Keys, connect
     from rollout_server.actor import reward_client
 
@@ -128,7 +128,7 @@ async def _start_actor(eng: Engine, rs: RolloutSettings, config: RunConfig, metr
     return asyncio.create_task(actor.run(), name="actor"), [reward.aclose, redis.aclose]
 
 
-async def _watchdog(app: FastAPI, eng: Engine, actor_task: asyncio.Task | None, grace_s: float) -> None:
+async def _watchdog(app: FastAPI, eng: RolloutEngine, actor_task: asyncio.Task | None, grace_s: float) -> None:
     while True:
         await asyncio.sleep(0.5)
         reason = None

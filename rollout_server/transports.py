@@ -7,7 +7,7 @@ A load has two halves, so that slow I/O never stalls generation:
    Anything wrong here is a :class:`WeightLoadError` and the engine was never
    touched: the old weights keep serving.
 2. :meth:`WeightTransport.apply` runs while the engine is paused (see
-   ``engine.Engine.load_weights``): it moves the prepared weights into the
+   ``engine.RolloutEngine.load_weights``): it moves the prepared weights into the
    engine in place.
 
 :class:`FilesystemTransport` handles paths and ``file://`` URIs (a directory
@@ -19,7 +19,7 @@ same two methods: ``prepare`` would call ``init_weight_transfer_engine`` once
 and agree on the tensor list with the learner, ``apply`` would call
 ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` while
 the learner broadcasts. The actor loop and the HTTP API only ever call
-``Engine.load_weights(LoadWeights)``, which picks the transport by URI
+``RolloutEngine.load_weights(LoadWeights)``, which picks the transport by URI
 scheme, so adding one touches neither.
 
 :func:`confine` is what ``POST /v1/weights`` asks before any of this: the

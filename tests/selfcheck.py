@@ -89,13 +89,13 @@ def run_one(model: Path, out: Path, stage: int, steps: int, overrides: dict) -> 
     import torch
 
     from learner.batch import build_batch, split_ranks
-    from learner.engine import Engine
+    from learner.engine import LearnerEngine
     from services.weightstore import write_safetensors
 
     overrides = json.loads(json.dumps(overrides))
     overrides.setdefault("learner", {})["zero_stage"] = stage
     cfg = selfcheck_config(model, overrides)
-    engine = Engine(cfg)
+    engine = LearnerEngine(cfg)
     stats = []
     for step in range(steps):
         groups = synthetic_groups(engine.vocab_size, 4, 4, seed=step)

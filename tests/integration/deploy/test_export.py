@@ -7,7 +7,7 @@ beyond its rolling window and ``--version best`` exports it.
   into a run directory as the learner publishes them. Their export, loaded with transformers (and
   PEFT for the adapter folder), gives the log-probs the learner's engine reported for a fixed
   sequence, within the tolerance the publish-to-vLLM test uses (2e-4). One vLLM engine (the
-  rollout server's ``Engine``, as tests/fixtures/rollout.py starts it) is started on a sharded
+  rollout server's ``RolloutEngine``, as tests/fixtures/rollout.py starts it) is started on a sharded
   export: its sample log-probs equal transformers' on the same folder.
 - Retention: a learner process (real DeepSpeed, real Redis) trains 6 steps with ``keep = 1``,
   ``keep_every = 3``, ``keep_best = 1`` while held-out scores are recorded as a rollout server
@@ -111,10 +111,10 @@ async def test_exports_of_learner_weights_give_the_learners_logprobs_in_transfor
     assert _hf_logprobs(load(tiny_model), probe) != pytest.approx(lora_want, abs=TOL)  # the adapter matters
 
     # vLLM starts on the sharded folder (its config, tokenizer and index) and samples with the
-    # log-probs transformers gives on it. One engine start; the module renames Engine to RolloutEngine.
-    engine_cls = getattr(rollout_engine, "RolloutEngine", None) or rollout_engine.Engine
-    engine = await engine_cls.start(sharded, RolloutSettings(kv_cache_gib=0.25, enforce_eager=True, seed=0),
-                                    metrics=RolloutMetrics(CollectorRegistry()), max_model_len=128)
+    # log-probs transformers gives on it. One engine start.
+    engine = await rollout_engine.RolloutEngine.start(
+        sharded, RolloutSettings(kv_cache_gib=0.25, enforce_eager=True, seed=0),
+        metrics=RolloutMetrics(CollectorRegistry()), max_model_len=128)
     try:
         prompt = probe[:4]
         out = await engine.generate(prompt, rollout_engine.Sampling(n=2, temperature=1.0, max_tokens=8, seed=0))

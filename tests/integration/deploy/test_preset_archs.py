@@ -5,12 +5,12 @@ big for this machine, so each class is exercised on a tiny random model of
 it (``examples.tiny.tiny_qwen3``, ``tests.fixtures.rollout.tiny_arch``):
 
 1. the learner takes one GRPO step with DeepSpeed ZeRO-3 (``tests.selfcheck``
-   on its synthetic groups: the real ``learner.engine.Engine``, one rank);
+   on its synthetic groups: the real ``learner.engine.LearnerEngine``, one rank);
 2. the gathered full weights are published with
    ``services.weightstore.write_version``; Hugging Face on the published
    files gives the learner's own log-probs of a probe sequence, which differ
    from the initial model's (the step moved the weights);
-3. a real vLLM engine (``rollout_server.engine.Engine``) reloads that version
+3. a real vLLM engine (``rollout_server.engine.RolloutEngine``) reloads that version
    in place, as the rollout server does on ``POST /v1/weights``, and
    generates; its samples carry the new version and their log-probs equal
    Hugging Face's on the published weights.
@@ -24,7 +24,7 @@ so no ZeRO-3 leaf modules are needed: a 2-rank ZeRO-3 run of the MoE model
 makes the same update as one rank (``test_moe_experts_shard_over_two_zero3_ranks``).
 The MoE case caught the
 learner publishing transformers 5's fused in-memory expert tensors, which vLLM
-refused; ``Engine.full_state_dict`` now reverts them to the checkpoint layout,
+refused; ``LearnerEngine.full_state_dict`` now reverts them to the checkpoint layout,
 vLLM loads the version and generates with it, but its log-probs stay up to
 0.014 from Hugging Face's: a strict xfail (reason on the mark) until found.
 
@@ -141,14 +141,14 @@ async def test_other_class_trains_and_serves(kind, tmp_path):
     (OLMo-3-1025-7B / 1125-32B: sliding and full attention layers), each on its own vLLM engine."""
     from prometheus_client import CollectorRegistry
 
-    from rollout_server.engine import Engine
+    from rollout_server.engine import RolloutEngine
     from rollout_server.metrics import RolloutMetrics
     from rollout_server.settings import RolloutSettings
     from tests.fixtures.rollout import MAX_MODEL_LEN, tiny_arch
 
     model = tiny_arch(kind, tmp_path / kind)
     settings = RolloutSettings(kv_cache_gib=0.25, enforce_eager=True, seed=0)
-    engine = await Engine.start(model, settings, metrics=RolloutMetrics(CollectorRegistry()),
+    engine = await RolloutEngine.start(model, settings, metrics=RolloutMetrics(CollectorRegistry()),
                                 max_model_len=MAX_MODEL_LEN, dtype="float32")
     try:
         await train_publish_serve(engine, model, kind, 1, tmp_path)

@@ -177,12 +177,12 @@ async def _second_engine(tiny_model):
     """An engine of its own (the session's must stay healthy) and the pids of its core processes."""
     from prometheus_client import CollectorRegistry
 
-    from rollout_server.engine import Engine
+    from rollout_server.engine import RolloutEngine
     from rollout_server.metrics import RolloutMetrics
     from rollout_server.settings import RolloutSettings
 
     before = _children(os.getpid())
-    engine = await Engine.start(tiny_model, RolloutSettings(kv_cache_gib=0.1, enforce_eager=True),
+    engine = await RolloutEngine.start(tiny_model, RolloutSettings(kv_cache_gib=0.1, enforce_eager=True),
                                 metrics=RolloutMetrics(CollectorRegistry()), max_model_len=128, dtype="float32")
     cores = sorted(_children(os.getpid()) - before)
     try:
