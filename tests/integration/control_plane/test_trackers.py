@@ -86,8 +86,9 @@ def _order(stream_id: str) -> tuple[int, ...]:
 
 
 async def learner_step(metrics: MetricsLog, step: int) -> str:
-    """The learner's metric point of ``step`` (the names learner.trainer's _report writes)."""
-    return await metrics.append("learner", step, reward_mean=0.1 * step, loss=1.0 / step, kl=0.01 * step,
+    """The learner's metric point of ``step`` (the names learner.trainer's _report writes; ``reward_correct``:
+    the mean of a python reward function's component named ``correct``)."""
+    return await metrics.append("learner", step, reward_mean=0.1 * step, reward_correct=0.05 * step, loss=1.0 / step, kl=0.01 * step,
                                 entropy=2.0, clip_fraction=0.05, lag_max=1.0, lag_mean=0.5, stale_dropped=float(step),
                                 zero_variance_dropped=2.0 * step, learner_tokens_per_s=1000.0 + step,
                                 learner_idle_frac=0.25)
@@ -186,7 +187,7 @@ async def test_trackers_log_the_config_and_every_metric_point_across_a_control_p
     # TensorBoard: every point once, at its step, under its group; the config as hparams
     scalars, hparams = tensorboard_scalars(root / "tensorboard" / run_id)
     assert scalars["train/loss"] == [(s, pytest.approx(1.0 / s)) for s in (1, 2, 3, 4, 5)]
-    for name in ("reward_mean", "kl", "entropy", "clip_fraction", "lag_max", "stale_dropped", "zero_variance_dropped",
+    for name in ("reward_mean", "reward_correct", "kl", "entropy", "clip_fraction", "lag_max", "stale_dropped", "zero_variance_dropped",
                  "learner_tokens_per_s", "learner_idle_frac"):
         assert [s for s, _ in scalars[f"train/{name}"]] == [1, 2, 3, 4, 5], name
     assert scalars["eval/accuracy"] == [(0, 0.25), (2, 0.5), (4, 0.75)]
