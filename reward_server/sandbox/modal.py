@@ -17,6 +17,15 @@ instead of raising; that is mapped to ``timeout``. Sandboxes are created at
 most ``spawns_per_s`` per second (the pool's rate limit) and replaced after
 ``max_jobs`` jobs or any failure.
 
+A Modal sandbox dies at its ``timeout`` (``lifetime_s``) and after
+``idle_timeout`` (``idle_timeout_s``) without work, and ``modal.Sandbox``
+has no ``alive`` attribute: the pool asks ``sandbox.poll()`` (None while it
+runs) and retires a sandbox ``retire_margin_s`` before either deadline, when
+it is about to be leased and on its periodic sweep. A job that fails before
+the agent accepted it (the exec could not start, or the sandbox was gone)
+runs once more in another sandbox: no program of the job ran, so the failure
+is the infrastructure's, and one dead sandbox must not cost a group.
+
 Everything that talks to Modal goes through :class:`ModalApi`, so the
 request-building logic is unit-tested without the cloud.
 """
@@ -24,6 +33,7 @@ request-building logic is unit-tested without the cloud.
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +52,7 @@ from reward_server.sandbox.blame import SandboxEnded, is_accepted, run_blaming
 from reward_server.sandbox.guest import GUEST_DIR
 from reward_server.sandbox.pool import Pool
 
+log = logging.getLogger("tandem.reward.modal")
 MODAL_PYTHON = "python3"
 EXEC_GRACE_S = 5
 
@@ -57,6 +68,13 @@ class ModalOptions:
     spawns_per_s: float = 2.0
     max_jobs: int = 500
     python_version: str = "3.11"
+    retire_margin_s: int = 120
+    """A sandbox is retired this long before its lifetime or idle timeout ends (at least the longest job)."""
+
+    def __post_init__(self) -> None:
+        if self.retire_margin_s >= min(self.lifetime_s, self.idle_timeout_s):
+            raise ValueError(f"retire_margin_s ({self.retire_margin_s}) must be below the sandbox's lifetime "
+                             f"({self.lifetime_s}) and idle timeout ({self.idle_timeout_s})")
 
 
 def sandbox_kwargs(options: ModalOptions) -> dict[str, Any]:
@@ -148,6 +166,13 @@ class ModalApi:
     async def terminate(self, sandbox: Any) -> None:
         await sandbox.terminate.aio()
 
+    async def alive(self, sandbox: Any) -> bool:
+        """Modal's ``Sandbox.poll()``: None while the sandbox runs, its exit code once it ended."""
+        try:
+            return await sandbox.poll.aio() is None
+        except self.errors as e:
+            raise SandboxError(f"modal sandbox poll failed: {e!r}") from e
+
 
 class ModalSandbox(Sandbox):
     name = "modal"
@@ -156,14 +181,34 @@ class ModalSandbox(Sandbox):
     def __init__(self, options: ModalOptions, api: Any | None = None) -> None:
         self.options = options
         self.api = api if api is not None else ModalApi(options)
+        margin = options.retire_margin_s
         self.pool: Pool[Any] = Pool(self.api.create, self.api.terminate, size=options.pool,
-                                    max_uses=options.max_jobs, min_spawn_interval_s=1.0 / options.spawns_per_s)
+                                    max_uses=options.max_jobs, min_spawn_interval_s=1.0 / options.spawns_per_s,
+                                    alive=self.api.alive, max_age_s=options.lifetime_s - margin,
+                                    max_idle_s=options.idle_timeout_s - margin,
+                                    sweep_s=min(30.0, margin / 2))
 
     async def start(self) -> None:
         await self.pool.start()
 
     async def run(self, job: Job) -> list[RunOutcome]:
-        return await run_blaming(self._attempt, job, self.python)
+        return await run_blaming(self._attempt_twice, job, self.python)
+
+    async def _attempt_twice(self, job: Job) -> list[RunOutcome]:
+        """:meth:`_attempt`, and once more in another sandbox when the first failed before the agent
+        accepted the job (after that, :func:`run_blaming` decides who ended the sandbox)."""
+        try:
+            return await self._attempt(job)
+        except SandboxEnded:
+            raise
+        except SandboxError as first:
+            log.warning("a modal sandbox failed before it accepted a job (%s); running it in another", first)
+            try:
+                return await self._attempt(job)
+            except SandboxEnded:
+                raise
+            except SandboxError as second:
+                raise SandboxError(f"{second}; the first sandbox failed too: {first}") from second
 
     async def _attempt(self, job: Job) -> list[RunOutcome]:
         async with self.pool.lease() as lease:

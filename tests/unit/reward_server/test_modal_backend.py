@@ -65,7 +65,8 @@ class MockModal:
         process = SimpleNamespace(stdin=Stdin(), stdout=SimpleNamespace(read=Aio(stdout, self.calls, "stdout")),
                                   stderr=SimpleNamespace(read=Aio(b"", self.calls, "stderr")),
                                   wait=Aio(returncode, self.calls, "wait"))
-        self.sandbox = SimpleNamespace(exec=Aio(process, self.calls, "exec"), terminate=Aio(None, self.calls, "terminate"))
+        self.sandbox = SimpleNamespace(exec=Aio(process, self.calls, "exec"), terminate=Aio(None, self.calls, "terminate"),
+                                       poll=Aio(None))  # None: still running
         self.images: list[str] = []
 
         class Image:
@@ -153,3 +154,135 @@ async def test_live_modal_sandbox():
         assert (await backend.run(net))[0].status == "runtime_error"
     finally:
         await backend.close()
+
+
+# --- sandboxes that died or are about to: a mock of Modal's cloud with a fleet of sandboxes ---------------
+
+ACCEPTED = json.dumps({"accepted": True}).encode()
+
+
+class MockSandboxFleet:
+    """A mock of the ``modal`` module whose ``Sandbox.create`` makes a new sandbox each time, with the
+    behaviour Modal documents: ``poll()`` is None while it runs, its exit code once it ended (lifetime
+    ``timeout`` or ``idle_timeout`` reached, here at the mock clock's time); an exec on an ended
+    sandbox raises Modal's error. ``broken`` sandboxes die as their first exec starts (the agent never
+    answers ``accepted``)."""
+
+    class Error(Exception):
+        pass
+
+    def __init__(self, clock, broken: int = 0):
+        self.clock, self.broken = clock, broken
+        self.created: list[SimpleNamespace] = []
+        self.execs: list[int] = []  # which sandbox (index) each exec ran in
+        fleet = self
+
+        async def create(app=None, image=None, **kw):
+            i = len(fleet.created)
+            sb = SimpleNamespace(i=i, born=fleet.clock(), used=fleet.clock(), ended=None, kw=kw,
+                                 broken=i < fleet.broken)
+            sb.poll = Aio(lambda: fleet._poll(sb))
+            sb.exec = Aio(None)
+            sb.exec.aio = lambda *a, **k: fleet._exec(sb)
+            sb.terminate = Aio(lambda: setattr(sb, "ended", 137))
+            fleet.created.append(sb)
+            return sb
+
+        image = SimpleNamespace(run_commands=lambda *a, **k: image)
+        self.Image = SimpleNamespace(debian_slim=lambda python_version=None: image)
+        self.App = SimpleNamespace(lookup=Aio("app"))
+        self.Sandbox = SimpleNamespace(create=SimpleNamespace(aio=create))
+        self.exception = SimpleNamespace(Error=MockSandboxFleet.Error)
+
+    def _poll(self, sb):
+        now = self.clock()
+        if sb.ended is None and (now - sb.born >= sb.kw["timeout"] or now - sb.used >= sb.kw["idle_timeout"]):
+            sb.ended = 124
+        return sb.ended
+
+    async def _exec(self, sb):
+        if self._poll(sb) is not None:
+            raise MockSandboxFleet.Error(f"Sandbox {sb.i} has already finished")
+        sb.used = self.clock()
+        self.execs.append(sb.i)
+        if sb.broken:
+            sb.ended = 1
+            out = b""
+        else:
+            out = struct.pack(">I", len(ACCEPTED)) + ACCEPTED + answer_frame([OK_RUN])
+        stream = SimpleNamespace(read=Aio(out))
+        stdin = SimpleNamespace(write=lambda data: None, write_eof=lambda: None, drain=Aio(None))
+        return SimpleNamespace(stdin=stdin, stdout=stream, stderr=SimpleNamespace(read=Aio(b"agent died")),
+                               wait=Aio(1 if sb.broken else 0))
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fleet_backend(fleet, clock, **options) -> ModalSandbox:
+    opts = ModalOptions(pool=1, spawns_per_s=1000, **options)
+    backend = ModalSandbox(opts, api=ModalApi(opts, modal_module=fleet))
+    backend.pool._clock = clock  # the pool's ages on the mock's clock
+    return backend
+
+
+async def test_a_sandbox_past_its_idle_timeout_is_replaced_not_handed_out():
+    clock = FakeClock()
+    fleet = MockSandboxFleet(clock)
+    backend = fleet_backend(fleet, clock, lifetime_s=3600, idle_timeout_s=600)
+    assert (await backend.run(JOB))[0].status == "ok"
+    clock.t += 650  # an idle gap longer than Modal's idle_timeout: that sandbox is gone
+    (outcome,) = await backend.run(JOB)
+    assert outcome.status == "ok"
+    assert fleet.execs == [0, 1], "the job must run in a new sandbox, not the dead one"
+    await backend.close()
+
+
+async def test_a_sandbox_is_retired_before_its_lifetime_ends():
+    clock = FakeClock()
+    fleet = MockSandboxFleet(clock)
+    backend = fleet_backend(fleet, clock, lifetime_s=3600, idle_timeout_s=600, retire_margin_s=120)
+    for _ in range(10):  # busy (never idle for long), but ageing
+        assert (await backend.run(JOB))[0].status == "ok"
+        clock.t += 350
+    assert fleet.execs == [0] * 10
+    # now 3500 s old: alive, but within 120 s of its 3600 s lifetime: retired before a job meets its end
+    assert fleet._poll(fleet.created[0]) is None
+    assert (await backend.run(JOB))[0].status == "ok"
+    assert fleet.execs[-1] == 1 and fleet.created[0].ended == 137  # terminated by the pool
+    assert backend.pool.retired_stale == 1
+    await backend.close()
+
+
+async def test_the_sweep_replaces_idle_sandboxes_before_a_job_needs_one():
+    clock = FakeClock()
+    fleet = MockSandboxFleet(clock)
+    backend = fleet_backend(fleet, clock, lifetime_s=3600, idle_timeout_s=600, retire_margin_s=120)
+    await backend.start()
+    clock.t += 500  # idle 500 s: past idle_timeout - margin
+    assert await backend.pool.sweep() == 1
+    for _ in range(200):
+        if len(fleet.created) == 2 and backend.pool.live == 1:
+            break
+        await asyncio.sleep(0.01)
+    assert len(fleet.created) == 2 and fleet.created[0].ended == 137
+    await backend.close()
+
+
+async def test_a_job_whose_sandbox_died_before_accepting_it_runs_again_in_another():
+    clock = FakeClock()
+    fleet = MockSandboxFleet(clock, broken=1)
+    backend = fleet_backend(fleet, clock)
+    (outcome,) = await backend.run(JOB)
+    assert outcome.status == "ok" and fleet.execs == [0, 1]
+    await backend.close()
+    both = MockSandboxFleet(clock, broken=2)  # twice in a row: the infrastructure is broken, no score
+    backend = fleet_backend(both, clock)
+    with pytest.raises(SandboxError, match="first sandbox failed too"):
+        await backend.run(JOB)
+    await backend.close()
