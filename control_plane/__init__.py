@@ -12,11 +12,12 @@ from services.config import RunConfig
 from services.settings import ControlSettings
 
 
-def build_app(settings: ControlSettings, config: RunConfig | None = None):
-    """The control plane's FastAPI app (see ``control_plane.app.build_app``)."""
+def build_app(settings: ControlSettings, config: RunConfig | None = None, **hooks):
+    """The control plane's FastAPI app (see ``control_plane.app.build_app``; ``hooks``: its
+    ``start_learner``)."""
     from control_plane.app import build_app as _build
 
-    return _build(settings, config)
+    return _build(settings, config, **hooks)
 
 
 def serve(settings: ControlSettings, config: RunConfig | None = None) -> None:

@@ -347,7 +347,8 @@ def submit(
             if held_out is None and run_config.data.eval is not None:  # the rollout servers evaluate it during the run
                 held_out = (await client.upload_prompt_set(run_config.data.eval.read_bytes(),
                                                            run_config.reward.type)).id
-            created = await client.create_run(info.id, run_config.model_dump(mode="json"), held_out)
+            created = await client.create_run(info.id, run_config.model_dump(mode="json"), held_out,
+                                              client_run_dir=str(_settings("client").run_dir.resolve()))
             return info, created
 
     try:

@@ -25,6 +25,7 @@ from rollout_server.actor import Actor, cancel_and_wait, reward_client
 from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
+from services.config import RunConfig
 from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
 
 log = logging.getLogger("tandem.rollout")
@@ -38,7 +39,7 @@ async def follow_runs(
     runs = RunWatcher(RunStore(redis), poll_s=poll_s)
     try:
         async for run in runs:
-            if Path(run.config.model.path).resolve() != Path(engine.model_dir).resolve():
+            if not serves_model(run.config, engine.model_dir):
                 log.error("not serving run %s: it trains %s, this server serves %s",
                           run.run_id, run.config.model.path, engine.model_dir)
                 continue  # the watcher does not offer it again
@@ -57,6 +58,12 @@ async def follow_runs(
             log.info("run %s is over", run.run_id)
     finally:
         await redis.aclose()
+
+
+def serves_model(config: RunConfig, model_dir: str | Path) -> bool:
+    """Whether a server that loaded ``model_dir`` serves a run of ``config``: its ``model.path`` is that
+    folder (the control plane stores the path as the deployment sees it: control_plane.model_path)."""
+    return Path(config.model.path).resolve() == Path(model_dir).resolve()
 
 
 async def _serve(

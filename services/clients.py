@@ -188,9 +188,10 @@ class ControlClient(ServiceClient):
         return wire.PromptSetInfo.model_validate(resp.json())
 
     async def create_run(self, prompt_set_id: str, config: dict | None,
-                         eval_prompt_set_id: str | None = None) -> wire.RunCreated:
+                         eval_prompt_set_id: str | None = None, client_run_dir: str | None = None) -> wire.RunCreated:
         resp = await self.request("POST", "/v1/runs", wire.CreateRun(
-            prompt_set_id=prompt_set_id, config=config, eval_prompt_set_id=eval_prompt_set_id))
+            prompt_set_id=prompt_set_id, config=config, eval_prompt_set_id=eval_prompt_set_id,
+            client_run_dir=client_run_dir))
         return wire.RunCreated.model_validate(resp.json())
 
     async def run_status(self, run_id: str) -> wire.RunStatus:

@@ -23,10 +23,11 @@ its own (a line's own system turn wins), and of every prompt and template line, 
 turns into messages ``[system, user: <its text>]``, so it needs a chat template.
 
 Whether the model has a chat template (:func:`chat_template_in`) is read from ``model.path``'s
-files, as ``transformers`` would load them, without importing it. A model the control plane
-cannot see (another machine's path, not built yet) is "unknown": messages are accepted then,
-and a rollout server whose model has no chat template refuses each such group (dead-lettered,
-naming ``messages``).
+files, as ``transformers`` would load them, without importing it. A model folder with no
+tokenizer or model files in it yet is "unknown": messages are accepted then, and a rollout
+server whose model has no chat template refuses each such group (dead-lettered, naming
+``messages``). A run whose model folder the control plane cannot see at all is refused
+(``control_plane.model_path``).
 """
 
 from __future__ import annotations

@@ -219,6 +219,10 @@ class ClientSettings(BaseSettings):
     """Bearer token for the control plane (TANDEM_TOKEN)."""
     redis_url: SecretStr | None = Field(default=None, validation_alias="REDIS_URL")
     """`tandem audit RUN_ID` reads the run's ledger there. Unset: the local stack's `stack.json`."""
+    run_dir: Path = Field(default=Path("runs"), validation_alias="TANDEM_RUN_DIR")
+    """This machine's folder that a deployment's run directory mirrors (TANDEM_RUN_DIR; default ``runs``,
+    from where `modal volume put` uploads models): `tandem submit` sends it, and a control plane that
+    cannot see the run's model.path looks for it at the same place under its own run directory."""
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -469,7 +469,9 @@ class PromptSetInfo(Wire):
 
 
 class CreateRun(Wire):
-    """``POST /v1/runs``: ``config`` is a RunConfig as JSON; omitted = the control plane's own.
+    """``POST /v1/runs``: ``config`` is a RunConfig as JSON; omitted = the control plane's own. Its
+    ``model.path`` must be a folder the control plane sees, directly or mapped from ``client_run_dir``
+    (else 422 naming ``model.path``); the run stores the path the control plane found.
 
     ``eval_prompt_set_id``: a stored prompt set of held-out prompts, evaluated on the rollout servers
     at version 0 (``eval.before``) and every ``eval.every`` published versions; required when
@@ -478,6 +480,10 @@ class CreateRun(Wire):
     prompt_set_id: str = Field(min_length=1, max_length=64)
     config: dict | None = None
     eval_prompt_set_id: str | None = Field(default=None, min_length=1, max_length=64)
+    client_run_dir: str | None = Field(default=None, max_length=4096, description=(
+        "The submitting machine's run directory (absolute), which the deployment's run directory mirrors: "
+        "a model.path under it that the control plane cannot see is looked for at the same place under its "
+        "own run directory (control_plane.model_path)."))
 
 
 class RunCreated(Wire):

@@ -9,7 +9,7 @@ import pytest
 from broker import Keys
 from broker.keys import PROMPT_SETS
 from services.wire import EvalPrompt, PromptGroup, decode
-from tests.fixtures.control import READ_TOKEN, WRITE_TOKEN, run_config
+from tests.fixtures.control import NO_MODEL, READ_TOKEN, WRITE_TOKEN, run_config
 
 MESSAGES = [
     {"messages": [{"role": "user", "content": "What is 2+2?"}], "type": "exact", "answer": "4"},
@@ -94,9 +94,13 @@ async def test_messages_for_a_model_without_a_chat_template_are_422_naming_the_f
     r = await _create(control, plain, run_config(model={"path": models["base"]}, prompt={"system_prompt": "Hi."}))
     assert r.status_code == 422 and "prompt.system_prompt" in r.json()["detail"], r.text
     assert await snapshot(control.redis) == before
-    # where the control plane cannot see the model, it cannot tell: the rollout server decides
-    r = await _create(control, chat_set, run_config(model={"path": "/nowhere/model"}))
+    # a model folder with no tokenizer files yet: the control plane cannot tell, the rollout server decides
+    r = await _create(control, chat_set, run_config(model={"path": str(NO_MODEL)}))
     assert r.status_code == 201, r.text
+    # a model.path the control plane cannot see at all is refused (control_plane.model_path)
+    await control.client.post(f"/v1/runs/{r.json()['run_id']}/stop", headers=control.auth())
+    r = await _create(control, chat_set, run_config(model={"path": "/nowhere/model"}))
+    assert r.status_code == 422 and r.json()["detail"].startswith("model.path:"), r.text
 
 
 async def test_an_unknown_placeholder_is_422_naming_the_line_and_field(control, models, snapshot):
