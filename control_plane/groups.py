@@ -12,7 +12,7 @@ Order: epoch by epoch; within epoch ``e`` the lines are shuffled by
 ``shuffle_seed`` is None). ``group_id`` is ``e{epoch}-{line index}``: unique
 in the run and stable across redeliveries. Lines that name no reward type
 take ``reward.type`` and ``reward.extract`` from the run config
-(``services.promptsets.line_specs``). Each group carries the line's prompt
+(``services.prompt_lines.line_specs``). Each group carries the line's prompt
 text or chat messages as the run's ``[prompt]`` section makes them
 (``services.prompts.prompt_forms``).
 """
@@ -26,8 +26,8 @@ import redis.asyncio as aioredis
 from broker import Envelope, Keys, Stream
 from broker.streams import NO_VERSION
 from services.config import RunConfig
+from services.prompt_lines import MAX_ERRORS, LineError, line_specs
 from services.prompts import prompt_forms
-from services.promptsets import MAX_ERRORS, LineError, line_specs
 from services.wire import PromptGroup, encode
 
 
@@ -41,7 +41,7 @@ def epoch_order(count: int, epoch: int, shuffle_seed: int | None) -> list[int]:
 
 def build_groups(run_id: str, lines: list[dict], config: RunConfig, chat: bool | None = None) -> list[PromptGroup]:
     """Every prompt group of the run, in enqueue order; ``chat``: whether the model has a chat template
-    (None = unknown). Raises :class:`~services.promptsets.LineError` naming every bad line's spec and prompt."""
+    (None = unknown). Raises :class:`~services.prompt_lines.LineError` naming every bad line's spec and prompt."""
     errors = []
     try:
         specs = line_specs(lines, config)

@@ -6,7 +6,7 @@ streams in, to :meth:`PromptSetStore.upload`, which parses it in a worker
 thread and writes it to Redis (AOF). ``POST /v1/runs`` reads the lines back
 (``control_plane.groups``).
 
-The line format and its validation are ``services.promptsets``. Prompt-set
+The line format and its validation are ``services.prompt_lines``. Prompt-set
 ids are content hashes, so uploading the same file twice stores it once. A
 set naming python reward functions the reward server refuses is not stored
 (``control_plane.reward_functions``).
@@ -54,7 +54,7 @@ from redis.exceptions import WatchError
 from broker.keys import PROMPT_SETS, check_run_id, prompt_set, prompt_set_meta
 from control_plane.reward_functions import FunctionCheck, line_functions
 from services.app import ServiceError
-from services.promptsets import LineError, LineParser
+from services.prompt_lines import LineError, LineParser
 from services.settings import ControlSettings
 from services.wire import PromptSetInfo
 

@@ -45,7 +45,7 @@ def spec_functions(spec: object, where: str = "") -> Iterator[tuple[str, str]]:
 
 
 def line_functions(stored: dict, default_type: str) -> Iterator[tuple[str, str]]:
-    """``(field, function)`` of a stored prompt-set line (``services.promptsets.check_line``'s form): a
+    """``(field, function)`` of a stored prompt-set line (``services.prompt_lines.check_line``'s form): a
     typed line's spec, or an untyped line's ``function`` field when it is checked as ``python``."""
     if "spec" in stored:
         yield from spec_functions(stored["spec"])

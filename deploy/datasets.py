@@ -1,7 +1,7 @@
 """Datasets into prompt-set lines: what ``tandem prompts import`` reads and sends.
 
 Who talks to whom: the CLI (``deploy.prompts``) opens a dataset here, maps each row's columns
-to the fields of one prompt-set line (``services.promptsets`` defines the line) and streams the
+to the fields of one prompt-set line (``services.prompt_lines`` defines the line) and streams the
 lines, as they are read, to the control plane's ``POST /v1/prompt-sets``. The control plane
 validates them exactly as an uploaded file's: a bad row is reported by its number (rows are
 numbered from 1 in the dataset's order, a CSV header not counted: row N is line N of the

@@ -44,7 +44,7 @@ class ModelConfig(Section):
 class DataConfig(Section):
     train: Path
     """Prompt set to train on (JSON lines: ``prompt``, ``messages`` or the fields ``prompt.template`` fills in,
-    plus reward-spec fields; ``services.promptsets``)."""
+    plus reward-spec fields; ``services.prompt_lines``)."""
     eval: Path | None = None
     """Held-out prompt set for evaluation before, during (``eval.every``) and after training (same format)."""
     epochs: int = Field(default=1, ge=1, le=MAX_EPOCHS)

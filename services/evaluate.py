@@ -44,8 +44,8 @@ from broker import Keys
 from services import wire
 from services.clients import RewardClient, RolloutClient
 from services.config import EvalConfig, RunConfig
+from services.prompt_lines import LineParser, line_specs
 from services.prompts import chat_template_in, prompt_forms
-from services.promptsets import LineParser, line_specs
 from services.runs import MetricsLog
 
 SCORE_BATCH = 1024
@@ -105,7 +105,7 @@ def due(version: int, cfg: EvalConfig) -> bool:
 
 def eval_prompts(lines: list[dict], config: RunConfig, chat: bool | None = None) -> list[wire.EvalPrompt]:
     """The held-out prompts of stored prompt-set ``lines`` under ``config`` (at most
-    ``eval.max_prompts``); raises ``services.promptsets.LineError``. No format bonus: a
+    ``eval.max_prompts``); raises ``services.prompt_lines.LineError``. No format bonus: a
     completion is correct when the task's own spec scores it 1."""
     lines = lines[: config.eval.max_prompts]
     plain = config.model_copy(update={"reward": config.reward.model_copy(update={"format_weight": 0.0})})

@@ -9,7 +9,7 @@ as it is) or ``messages``, which the rollout server renders with the model's own
 (``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
 **prompt.chat_template_kwargs)``; ``rollout_server.engine``).
 
-A stored line (``services.promptsets``) has one of three prompt forms, and becomes:
+A stored line (``services.prompt_lines``) has one of three prompt forms, and becomes:
 
 - ``prompt``: the text, or ``prompt.template`` filled with it as ``{prompt}``;
 - ``inputs`` (a line with neither ``prompt`` nor ``messages``; its fields that are not the reward
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config import RunConfig, template_fields
-from services.promptsets import LineError
+from services.prompt_lines import LineError
 from services.wire import Message
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -95,7 +95,7 @@ def _no_chat_template(config: RunConfig) -> str:
 
 def prompt_forms(lines: list[dict], config: RunConfig, chat: bool | None) -> list[PromptForm]:
     """The prompt form of every stored line under ``config``; ``chat`` says whether the model has a
-    chat template (:func:`chat_template_in`; None = unknown). Raises :class:`~services.promptsets.LineError`
+    chat template (:func:`chat_template_in`; None = unknown). Raises :class:`~services.prompt_lines.LineError`
     naming 1-based lines and fields (a problem of the config itself as line 0)."""
     settings = config.prompt
     system = Message(role="system", content=settings.system_prompt) if settings.system_prompt is not None else None
@@ -113,7 +113,7 @@ def prompt_forms(lines: list[dict], config: RunConfig, chat: bool | None) -> lis
             forms.append(PromptForm(messages=messages))
             continue
         values = {"prompt": line["prompt"]} if "prompt" in line else line.get("inputs", {})
-        # a python reward function gets a template line's fields as keywords (services.promptsets.line_specs):
+        # a python reward function gets a template line's fields as keywords (services.prompt_lines.line_specs):
         # a field the template does not use is then the function's, not unknown
         python = line.get("spec", {"type": config.reward.type})["type"] == "python"
         text, problems = _filled(settings.template, used, values, number, others_ok=python)

@@ -1,6 +1,6 @@
 """Reward specs: how to score one completion, and the limits of one sandboxed run.
 
-A prompt-set line carries a spec (``services.promptsets`` parses it; the run config's
+A prompt-set line carries a spec (``services.prompt_lines`` parses it; the run config's
 ``reward`` section fills in the lines that name none); the control plane puts it into each
 :class:`~services.wire.PromptGroup`, the rollout server passes it on in its
 :class:`~services.wire.ScoreRequest`, and the reward server's verifiers

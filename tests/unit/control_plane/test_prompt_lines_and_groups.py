@@ -10,7 +10,7 @@ import pytest
 
 from control_plane.groups import build_groups, epoch_order
 from services.config import parse_run_config
-from services.promptsets import ANSWER_TAG, MAX_ERRORS, LineError, LineParser
+from services.prompt_lines import ANSWER_TAG, MAX_ERRORS, LineError, LineParser
 
 LINES = [{"prompt": f"{i}+1=", "type": "exact", "answer": str(i + 1)} for i in range(10)]
 BODY = "".join(json.dumps(x) + "\n" for x in LINES).encode()
