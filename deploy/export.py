@@ -340,7 +340,10 @@ def export(run: RunFiles, version: int, out: Path, *, lora: str = "merged",
         raise ExportError(f"the run's base model {base} is not there (no config.json): the export takes the "
                           "config and tokenizer from it")
     src = store.version_dir(run.weights, version)
-    record = store.read_record(src)
+    try:
+        record = store.read_record(src)
+    except store.WeightStoreError as e:
+        raise ExportError(f"version {version}: {e}") from None
     adapter = record.format == "peft-adapter"
     if lora not in ("merged", "adapter"):
         raise ExportError(f"--lora {lora!r}: merged or adapter")
@@ -382,6 +385,12 @@ def export(run: RunFiles, version: int, out: Path, *, lora: str = "merged",
         if out.exists():
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
+    except FileNotFoundError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if src.exists():
+            raise
+        raise ExportError(f"version {version} went away while it was exported: the run still trains and "
+                          "retention deleted it; export a kept version") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -158,6 +158,9 @@ def test_version_best_last_and_the_errors_that_name_the_problem(tmp_path, tiny_m
     result = _export(run, tmp_path / "h", "--lora", "adapter")
     assert result.exit_code == 1 and "no adapter to export" in result.output
     assert not (tmp_path / "h").exists() and not list(tmp_path.glob(".h.tmp-*"))
+    (weights / "v00000002" / "tandem-version.json").unlink()
+    result = _export(run, tmp_path / "i", "--version", "2")
+    assert result.exit_code == 1 and "version 2: unreadable version record" in result.output
 
 
 def test_a_version_that_does_not_match_its_base_model_is_refused(tmp_path, tiny_model):
