@@ -11,6 +11,16 @@ container owns that process (:func:`start`, :func:`run`): it starts it in its ow
 when it exits, the container exits with its status, so Modal replaces the
 container instead of routing to a dead port.
 
+Signals: Modal sends SIGTERM to the container's main process (scale-down,
+preemption, the call's timeout); a child in a session of its own never sees
+it. :func:`forward_signals` (installed by :func:`start` and :func:`run` when
+called from the main thread, and by ``deploy.modal_app`` when the container
+imports it) passes SIGTERM on to each service's process group, so the learner
+saves its checkpoint and a rollout server ends its leases before Modal's
+grace period runs out. A learner job that stopped on SIGTERM raises
+:class:`Interrupted` even when it exited cleanly: the call failed, and Modal
+retries it (the retry resumes from the checkpoint).
+
 Paths: a run config at ``examples/arith/run.toml`` in the repository is
 shipped to ``/examples/arith/run.toml``: the container's repository root is
 ``/``, so the config's relative paths into ``runs/`` (``../../runs/models/arith``)
@@ -20,6 +30,7 @@ land in ``/runs``, the weights volume.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -68,9 +79,46 @@ def torchrun_argv(*, nproc_per_node: int, config: str | PurePath | None = None, 
     return argv + ["-m", *serve_argv("learner", config, port=port)[2:]]
 
 
+_services: list[subprocess.Popen] = []
+"""Service processes this container started (each leads its own process group)."""
+_received: list[int] = []
+"""Signals this process received and passed on."""
+
+
+def forward_signals() -> bool:
+    """Pass SIGTERM on to every service process group started here (idempotent). Python installs
+    handlers in the main thread only: False elsewhere (``deploy.modal_app`` installs it at import)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not _forward:
+        signal.signal(signal.SIGTERM, _forward)
+    return True
+
+
+def _forward(signum: int, _frame) -> None:
+    _received.append(signum)
+    for proc in _services:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signum)
+            except ProcessLookupError:
+                pass  # it exited meanwhile
+
+
+class Interrupted(RuntimeError):
+    """The service stopped because this container was told to stop (SIGTERM), not because its work ended."""
+
+
+def _spawn(argv: list[str], env: Mapping[str, str] | None) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, start_new_session=True)
+    _services.append(proc)
+    forward_signals()
+    return proc
+
+
 def start(argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """Start ``argv`` in its own process group; when it exits, end this container with its status."""
-    proc = subprocess.Popen(argv, env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = _spawn(argv, env)
 
     def follow() -> None:
         code = proc.wait()
@@ -82,7 +130,11 @@ def start(argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.P
 
 
 def run(argv: list[str], env: Mapping[str, str] | None = None) -> None:
-    """Run ``argv`` to completion in its own process group; raise when it fails."""
-    code = subprocess.run(argv, env={**os.environ, **(env or {})}, start_new_session=True).returncode
+    """Run ``argv`` to completion in its own process group; raise when it fails, and
+    :class:`Interrupted` when it stopped on a signal this process passed on."""
+    proc = _spawn(argv, env)
+    code = proc.wait()
+    if _received:
+        raise Interrupted(f"{' '.join(argv[1:])} stopped on signal {_received[0]} (exit {code})")
     if code != 0:
         raise RuntimeError(f"{' '.join(argv[1:])} exited with {code}")

@@ -34,3 +34,55 @@ def test_a_local_multi_rank_learner_gets_its_own_rendezvous_port():
     params = _serve_params(args.training_script_args)
     assert params["name"].value == "learner" and params["port"] == 4322
     assert params["config"] == Path("/tmp/run.toml")
+
+
+SERVICE = """
+import signal, sys, time
+def stop(signum, frame):
+    open(sys.argv[1], "w").write("checkpoint saved on SIGTERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+open(sys.argv[1] + ".up", "w").write("up")
+time.sleep(60)
+"""
+
+ENTRYPOINT = """
+import sys
+from deploy import launch
+try:
+    launch.run([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+except launch.Interrupted as e:
+    print("interrupted:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def test_sigterm_to_the_container_entrypoint_reaches_the_service_and_fails_the_call(tmp_path):
+    """Modal sends SIGTERM to the container's main process only; the service runs in its own process
+    group (start_new_session), so without forwarding it never learns that it must save its work (the
+    learner's checkpoint). The entrypoint passes it on, waits, and fails the call so Modal retries it."""
+    import subprocess
+    import time
+
+    from broker.processes import die_with_parent, stop_group
+
+    marker, log = tmp_path / "saved", tmp_path / "entrypoint.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", ENTRYPOINT, SERVICE, str(marker)], cwd=Path(__file__).parents[3],
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=die_with_parent)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "saved.up").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "the service never started"
+            time.sleep(0.05)
+        proc.send_signal(15)  # to the entrypoint process alone, as Modal does
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop_group(proc, grace_s=0)
+    assert marker.exists(), f"the service never got SIGTERM; entrypoint: {log.read_text()}"
+    assert marker.read_text() == "checkpoint saved on SIGTERM"
+    assert proc.returncode == 3 and "stopped on signal 15 (exit 0)" in log.read_text(), log.read_text()
