@@ -14,11 +14,9 @@ EXTRAS := cpu,learner,reward,report,modal,data
 
 # make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
-# SLOW_FILES are under tests/integration/ (tests/<unit|integration>/<package>/test_<behaviour>.py).
-SLOW_FILES := rollout_server/test_http rollout_server/test_actor rollout_server/test_process rollout_server/test_models \
-	rollout_server/test_logprobs_modes learner/test_engine learner/test_service learner/test_publish_to_vllm \
-	control_plane/test_dashboard bench/test_gpu learner/test_volume_sync rollout_server/test_chat_prompts
-FAST_IGNORE := $(foreach f,$(SLOW_FILES),--ignore=tests/integration/$(f).py) --ignore=tests/e2e
+# The markers say what a test starts: tests/conftest.py gives vllm and deepspeed to every test that uses the
+# engine or learner fixtures, and a test that starts one itself carries the marker (pyproject.toml lists them).
+FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not stack
 
 .PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation
 
@@ -31,7 +29,7 @@ test: $(STAMPS)/dev
 
 test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra -m "not slow" $(FAST_IGNORE)
+	$(PY) -m pytest -q -ra -m "$(FAST_MARKERS)"
 
 # make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the reliability
 # table of docs/reliability.md and writes bench/results/chaos.json (how long it takes: docs/testing.md).

@@ -32,6 +32,22 @@ pytest_plugins = sorted(
 
 ROOT = Path(__file__).resolve().parents[1]
 
+HEAVY_FIXTURES = {
+    "rollout_engine": "vllm",
+    "learner_proc": "deepspeed",
+    "one_rank_runs": "deepspeed",
+    "two_rank_runs": "deepspeed",
+}
+"""Fixtures that start a heavy process, and the marker each gives every test that uses it, directly or
+through another fixture (``make test-fast`` deselects the markers; a test that starts such a process
+itself carries the marker in its module)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker in {m for f, m in HEAVY_FIXTURES.items() if f in item.fixturenames}:
+            item.add_marker(marker)
+
 
 def pytest_configure(config):
     """Tag the session (below the tag pytest itself may carry) and start its reaper, from the main

@@ -19,7 +19,7 @@ import pytest
 
 from tests.chaos.harness import LEASE_S, SCORE_TIMEOUT_S, Fault, as_json, run_chaos
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
 
 def check(report, min_gain: float = 0.03) -> None:

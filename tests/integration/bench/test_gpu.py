@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.deepspeed
 def test_gpu_bench_runs_the_learner_step_and_publish_on_a_tiny_model(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -28,6 +31,7 @@ def test_gpu_bench_runs_the_learner_step_and_publish_on_a_tiny_model(tmp_path):
     assert report["generation"] == {"skipped": "--no-generation"}
 
 
+@pytest.mark.slow
 def test_transfer_bench_times_every_piece_and_the_http_copy_is_the_version(tmp_path):
     out = tmp_path / "transfer.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench/transfer.py"), "--gb", "0.05", "--dir", str(tmp_path),

@@ -134,6 +134,7 @@ def _shows(text: str, value: float) -> bool:
     return math.isclose(float(text), value, rel_tol=5e-3)
 
 
+@pytest.mark.browser
 async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_redis, tmp_path):
     async with serve_control() as url:
         auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -225,6 +226,7 @@ class AppendAfterFirstPoll:
         return await self.app(scope, receive, send_after_append)
 
 
+@pytest.mark.browser
 async def test_open_page_picks_up_new_points(serve_control, control_redis, tmp_path):
     run_id = None
     hook = None
@@ -274,6 +276,7 @@ class WithoutLibrary:
         return await self.app(scope, receive, send)
 
 
+@pytest.mark.browser
 async def test_without_the_chart_library_the_page_says_so_and_draws_nothing(serve_control, control_redis, tmp_path):
     async with serve_control(wrap=WithoutLibrary) as url:
         async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:

@@ -48,6 +48,8 @@ from tests.fixtures.learner import run_selfcheck
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.deepspeed,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
 ]
 

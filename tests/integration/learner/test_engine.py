@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 REL = 1e-3
 """Allowed |update_a - update_b| / |update_a| (update = trained - initial weights, over all tensors).

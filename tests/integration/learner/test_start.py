@@ -18,7 +18,7 @@ import pytest
 
 from broker.processes import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -24,7 +24,7 @@ from tests.integration.rollout_server.test_logprobs_modes import (
     gap,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 PROMPT_IDS = [10, 11, 12]
 MODES = {"qwen3_moe": "processed_logprobs", "olmo3": "raw_logprobs"}

@@ -22,7 +22,7 @@ from services import wire
 from services.reward_specs import RegexSpec
 from tests.fixtures.rollout import TOKEN
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
 def _tail(log: Path) -> str:

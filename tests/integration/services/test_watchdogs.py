@@ -196,6 +196,7 @@ async def _second_engine(tiny_model):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 async def test_an_engine_whose_core_stopped_is_failed_within_generate_s(tiny_model, redis, keys):
     """The core process SIGSTOPped: the generate times out, the one-token probe gets no answer, the
     engine is failed (not ``alive``: the server's watchdog then exits non-zero for a restart)."""
@@ -218,6 +219,7 @@ async def test_an_engine_whose_core_stopped_is_failed_within_generate_s(tiny_mod
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 async def test_a_reload_into_a_stopped_core_fails_the_engine_within_reload_s(tiny_model, redis, keys):
     """The version reads fine (it is the model's own weights), but the core that must load it is
     SIGSTOPped: past ``reload_s`` the engine, paused and half-loaded, is failed."""
@@ -342,6 +344,7 @@ async def test_incidents_show_in_run_status_and_tandem_status(serve_control, con
     assert "reload of version 24 has waited 120.4 s on reading /w (limit 120 s, config watchdog.reload_s)" in out
 
 
+@pytest.mark.browser
 async def test_the_dashboard_lists_the_incidents(serve_control, control_redis, tmp_path):
     """Headless Chromium runs the dashboard's script against a real control plane: the incident list
     shows each incident's line, and the console stays empty (nothing the CSP refused, no error)."""
