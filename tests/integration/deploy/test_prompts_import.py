@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ async def tandem(*args: str, **env: str) -> tuple[int, str, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deploy.cli", *args, cwd=ROOT,
-        env={**clean, "TANDEM_TOKEN": TOKEN, "COLUMNS": "250", "HF_DATASETS_CACHE": env.pop("cache", ""), **env},
+        env={**clean, "TANDEM_TOKEN": TOKEN, "COLUMNS": "250", "HF_DATASETS_CACHE": env.pop("cache", str(Path(tempfile.gettempdir()) / "tandem-test-datasets")), **env},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
