@@ -178,3 +178,28 @@ def test_sizes():
     assert parse_size("2GiB") == 2 << 30 and parse_size("1234") == 1234
     with pytest.raises(Exception, match="size like"):
         parse_size("five")
+
+
+async def test_best_reads_the_scores_of_a_running_stack_from_its_redis(tmp_path, tiny_model, other_weights, redis,
+                                                                       redis_url, keys):
+    """Under ``tandem up`` the final version's evaluation may come after the learner's last retention
+    decision: the stack's Redis (``stack.json``) has it while the stack runs; a stopped stack's is skipped."""
+    import asyncio
+
+    from broker.processes import free_port
+    from services.evaluate import EvalLog, EvalResult
+
+    stack = tmp_path / "stack"
+    run = make_run(stack, tiny_model, {4: other_weights, 6: tiny_model}, run_id=keys.run_id, layout="stack")
+    (run / "weights" / RETENTION_FILE).write_text(json.dumps({"scores": {"4": 0.5}, "kept": [4, 6]}))
+    await EvalLog(redis, keys).record(6, EvalResult(0.75, 0.75, 8, frozenset({6}), 0), "rollout")
+
+    def best(out: str, redis_at: str) -> int:
+        (stack / "stack.json").write_text(json.dumps({"redis_url": redis_at}))
+        result = _export(keys.run_id, tmp_path / out, "--version", "best", "--stack-dir", stack,
+                         "--runs", tmp_path / "none")
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / out / "tandem-export.json").read_text())["version"]
+
+    assert await asyncio.to_thread(best, "live", redis_url) == 6
+    assert await asyncio.to_thread(best, "stopped", f"redis://127.0.0.1:{free_port()}/0") == 4
