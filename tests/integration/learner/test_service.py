@@ -94,6 +94,11 @@ async def test_on_policy_training_publishes_and_survives_bad_input(redis, keys, 
     counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
     assert counters.get("stale_dropped", 0) >= 1
     assert counters["accepted"] == 8
+    # a reward's named components (a python reward function's) are logged by name, their mean per step
+    from services.runs import MetricsLog
+
+    points = [p for p in await MetricsLog(redis, keys).read() if p.source == "learner"]
+    assert [p.values["reward_format"] for p in points] == [0.25] * 4
 
     # versions 1..4 registered in order; only the last `keep` remain on disk and in the registry
     registry = WeightRegistry(redis, keys)
