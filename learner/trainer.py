@@ -410,7 +410,7 @@ class Trainer:
             from services.evaluate import EvalLog, due
 
             scores = {v: p.accuracy for v, p in (await EvalLog(self.redis, self.keys).points()).items()}
-        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=0,
+        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=pub.keep_best,
                                 scores=scores, due=lambda v: due(v, self.cfg.eval))
         for v in sorted(delete):
             path = store.version_dir(self.paths.weights, v)
