@@ -318,8 +318,8 @@ def start_reward(workdir: Path, *, sandbox: str = "auto", workers: int = 2, max_
                                      "TANDEM_REWARD_MAX_QUEUED": str(max_queued)})
 
 
-def start_control(workdir: Path, redis_url: str) -> Service:
-    return spawn("control", workdir, {"REDIS_URL": redis_url})
+def start_control(workdir: Path, redis_url: str, env: dict[str, str] | None = None) -> Service:
+    return spawn("control", workdir, {"REDIS_URL": redis_url, **(env or {})})
 
 
 def start_rollout(workdir: Path, model: Path, max_pending_seqs: int = 64) -> Service:

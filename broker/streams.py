@@ -58,19 +58,19 @@ RECONNECT_RETRIES = 30
 pause, not a failure, for every service."""
 
 
-def connect(url: str, *, max_connections: int | None = None, wait_s: float = 5.0) -> aioredis.Redis:
+def connect(url: str, *, max_connections: int | None = None, wait_s: float = 5.0,
+            retries: int = RECONNECT_RETRIES) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` (``redis://``, ``rediss://`` or ``unix://``).
 
     Responses stay bytes: payloads are binary. Commands that fail on a lost connection are retried
-    (:data:`RECONNECT_RETRIES`); the broker's scripts are idempotent, so a retried one whose first
-    attempt did run changes nothing twice. With ``max_connections`` the client holds at most that
-    many connections, and a command that finds them all busy waits up to ``wait_s`` for one (then
-    ``redis.ConnectionError``).
+    ``retries`` times; the broker's scripts are idempotent, so a retried one whose first attempt did
+    run changes nothing twice. With ``max_connections`` the client holds at most that many
+    connections; a command that finds them all busy waits ``wait_s`` for one (then ConnectionError).
     """
     from redis.backoff import ExponentialBackoff
 
     options = dict(decode_responses=False, health_check_interval=30,
-                   retry=_Reconnect(ExponentialBackoff(cap=1.0, base=0.05), RECONNECT_RETRIES))
+                   retry=_Reconnect(ExponentialBackoff(cap=1.0, base=0.05), retries))
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options)
     pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=wait_s, **options)

@@ -316,7 +316,8 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         embedded = None if settings.redis_url else EmbeddedRedis(settings.run_dir / "redis").start()
-        redis = connect(settings.redis_url or embedded.url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_WAIT_S)
+        redis = connect(settings.redis_url or embedded.url, max_connections=REDIS_CONNECTIONS, wait_s=REDIS_WAIT_S,
+                        retries=settings.redis_retries)
         app.state.redis = redis
         app.state.runs = RunStore(redis)
         app.state.functions = FunctionCheck(settings)

@@ -184,6 +184,11 @@ class ControlSettings(CommonSettings):
     reward server refuses such a function only when completions are scored."""
     reward_token: SecretStr | None = None
     """Bearer token for that reward server (TANDEM_CONTROL_REWARD_TOKEN). Unset: TANDEM_TOKEN."""
+    redis_retries: int = Field(default=30, ge=0)
+    """Attempts a request makes to reach Redis again after a lost connection, with a back-off of 0.1 s
+    doubling to 1 s: the default (``broker.streams.RECONNECT_RETRIES``, about 25 s) rides out a Redis
+    restarted on its AOF; past them the request is answered 503 with Retry-After
+    (TANDEM_CONTROL_REDIS_RETRIES)."""
     session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
     """Lifetime of the dashboard's read-only session cookie (``GET /?token=T``) in seconds: its
     Max-Age, and the age past which the server refuses it (TANDEM_CONTROL_SESSION_MAX_AGE_S)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -75,7 +76,8 @@ async def test_services_under_load_refuse_with_retry_after_stay_healthy_and_leak
 
 async def test_control_plane_bounds_its_redis_connections_and_answers_503_without_redis(tmp_path, tiny_model):
     """100 dashboard polls at once share at most REDIS_CONNECTIONS connections and all succeed; with
-    Redis gone the control plane answers 503 with Retry-After, not 500."""
+    Redis gone the control plane answers 503 with Retry-After, not 500, once its reconnection attempts
+    (TANDEM_CONTROL_REDIS_RETRIES=2 here; the default 30 takes about 25 s) are spent."""
     from broker.embedded import EmbeddedRedis
     from broker.processes import stop_groups
     from control_plane.app import REDIS_CONNECTIONS
@@ -84,7 +86,7 @@ async def test_control_plane_bounds_its_redis_connections_and_answers_503_withou
     redis = EmbeddedRedis(tmp_path / "redis").start()
     control = None
     try:
-        control = load.start_control(tmp_path, redis.url)
+        control = load.start_control(tmp_path, redis.url, {"TANDEM_CONTROL_REDIS_RETRIES": "2"})
         run_id = await load.create_run(control, tiny_model)
         redis_service = load.Service("redis", redis.url, "", redis.proc.pid)
         poll = load.Load("poll", 100, 2)
@@ -98,7 +100,9 @@ async def test_control_plane_bounds_its_redis_connections_and_answers_503_withou
         redis.stop()
         async with control.client(2) as client:
             for path in ("/v1/runs", f"/v1/runs/{run_id}"):
+                t0 = time.monotonic()
                 resp = await client.get(path)
+                assert time.monotonic() - t0 < 15, "the control plane did not take TANDEM_CONTROL_REDIS_RETRIES"
                 assert resp.status_code == 503, resp.text
                 assert int(resp.headers["retry-after"]) >= 1
                 assert "Redis unavailable" in resp.json()["detail"]
