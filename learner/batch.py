@@ -1,12 +1,20 @@
-"""From accepted trajectory groups to padded micro-batches.
+"""From accepted trajectory groups to micro-batches.
 
 The learner's rank 0 turns the groups of one optimizer step into
 :class:`TrainSeq` rows (advantages and aggregation weights computed over the
 *whole* batch, see ``learner.loss``), splits them across data-parallel ranks
-balanced by tokens, and each rank packs its share into micro-batches whose
-padded size stays within ``learner.micro_batch_tokens``. Every rank runs the
-same number of micro-batches (short ranks add empty ones) because ZeRO-3
-gathers parameters collectively in every forward pass.
+balanced by tokens, and each rank groups its share into micro-batches of at
+most ``learner.micro_batch_tokens`` tokens. Every rank runs the same number of
+micro-batches (short ranks add empty ones) because ZeRO-3 gathers parameters
+collectively in every forward pass.
+
+Two layouts (``learner.packing``): :func:`pack` + :func:`collate` with
+``packed=True`` concatenate a micro-batch's sequences into one row with
+per-sequence position ids (``learner.packing`` keeps their attention apart),
+so the budget counts real tokens and no compute goes to padding;
+:func:`bucket` + ``packed=False`` give one right-padded row per sequence,
+micro-batches of similar lengths whose *padded* size fits the budget. Either
+way the loss sees the same ``[B, T]`` tensors, one row per completion.
 
 Inputs from the stream are validated here (:func:`check_group`) before any
 tensor is built: a bad group is dead-lettered by the caller with the reason
@@ -99,15 +107,15 @@ def split_ranks(seqs: Sequence[TrainSeq], world: int) -> list[list[TrainSeq]]:
     return shares
 
 
-def pack(seqs: Sequence[TrainSeq], budget_tokens: int) -> list[list[TrainSeq]]:
-    """Micro-batches of rows whose padded size (rows x longest) is within ``budget_tokens``.
+def bucket(seqs: Sequence[TrainSeq], budget_tokens: int) -> list[list[TrainSeq]]:
+    """Padded micro-batches: rows whose padded size (rows x longest) is within ``budget_tokens``.
 
-    Rows are sorted by length so padding stays small; a row longer than the
-    budget gets a micro-batch of its own.
+    Rows are sorted by length so padding stays small (bucketing by length); a
+    row longer than the budget gets a micro-batch of its own.
     """
     out: list[list[TrainSeq]] = []
     cur: list[TrainSeq] = []
-    for s in sorted(seqs, key=lambda s: (-s.length, s.group_id, s.completion)):
+    for s in sorted(seqs, key=_longest_first):
         longest = max([s.length] + [x.length for x in cur])
         if cur and (len(cur) + 1) * longest > budget_tokens:
             out.append(cur)
@@ -118,41 +126,82 @@ def pack(seqs: Sequence[TrainSeq], budget_tokens: int) -> list[list[TrainSeq]]:
     return out
 
 
-def collate(mb: Sequence[TrainSeq], pad_id: int):
-    """Right-padded tensors of a micro-batch; an empty ``mb`` gives one all-masked dummy row.
+def pack(seqs: Sequence[TrainSeq], budget_tokens: int) -> list[list[TrainSeq]]:
+    """Padding-free micro-batches: rows whose total length is within ``budget_tokens``.
 
-    Keys: ``input_ids``/``attention_mask`` ``[B, L]``; ``targets``, ``mask``,
-    ``behav``, ``coef`` ``[B, L-1]`` aligned with the logits that predict
-    each next token; ``advantages`` ``[B]``.
+    First-fit decreasing (longest row first, into the first micro-batch with
+    room), which keeps the count of micro-batches near the fewest possible; a
+    row longer than the budget gets a micro-batch of its own. Deterministic.
+    """
+    out: list[list[TrainSeq]] = []
+    room: list[int] = []
+    for s in sorted(seqs, key=_longest_first):
+        i = next((i for i, r in enumerate(room) if s.length <= r), None)
+        if i is None:
+            out.append([])
+            room.append(budget_tokens)
+            i = len(out) - 1
+        out[i].append(s)
+        room[i] -= s.length
+    return out
+
+
+def _longest_first(s: TrainSeq) -> tuple:
+    return -s.length, s.group_id, s.completion
+
+
+def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dict:
+    """The tensors of a micro-batch; an empty ``mb`` gives one all-masked dummy row.
+
+    For the loss, one row per completion, right-padded to the longest less one
+    (``T``) and aligned with the position that predicts each next token:
+    ``targets``, ``mask`` (1 on completion tokens), ``behav``, ``coef``
+    ``[B, T]`` and ``advantages`` ``[B]``.
+
+    For the model: padded, ``input_ids`` and ``attention_mask`` ``[B, L]``;
+    ``packed``, ``input_ids`` and ``position_ids`` ``[1, N]`` (N the sum of the
+    lengths, positions restarting at 0 for each sequence) and ``seq_lens`` (a
+    tuple of ints). ``index`` ``[n]`` holds, for each completion token in the
+    row-major order of ``mask``'s ones, the flat position of the model's output
+    that predicts it, and ``tokens`` ``[n]`` the token (``learner.logits``).
     """
     import torch
 
     rows = list(mb) or [TrainSeq("", (pad_id,), (pad_id,), (0.0,), 0.0, 0.0)]
     dummy = not mb
     b, length = len(rows), max(s.length for s in rows)
-    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, length), dtype=torch.long)
+    targets = torch.full((b, length - 1), pad_id, dtype=torch.long)
     mask = torch.zeros((b, length - 1))
     behav = torch.zeros((b, length - 1))
     coef = torch.zeros((b, length - 1))
     adv = torch.zeros(b)
+    index: list[int] = []
+    tokens: list[int] = []
+    start = 0  # where each row's first token sits in the model's flattened input
     for i, s in enumerate(rows):
         ids = s.prompt + s.completion
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attn[i, : len(ids)] = 1
+        targets[i, : len(ids) - 1] = torch.tensor(ids[1:], dtype=torch.long)
         p, c = len(s.prompt), len(s.completion)
-        # completion token j sits at position p + j and is predicted by the logits at p + j - 1
+        # completion token j sits at position p + j and is predicted by the output at p + j - 1
         if not dummy:
             mask[i, p - 1 : p - 1 + c] = 1.0
+            index.extend(range(start + p - 1, start + p - 1 + c))
+            tokens.extend(s.completion)
         behav[i, p - 1 : p - 1 + c] = torch.tensor(s.behav, dtype=torch.float32)
         coef[i, p - 1 : p - 1 + c] = s.coef
         adv[i] = s.advantage
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attn,
-        "targets": input_ids[:, 1:],
-        "mask": mask,
-        "behav": behav,
-        "coef": coef,
-        "advantages": adv,
-    }
+        start += len(ids) if packed else length
+    out = {"targets": targets, "mask": mask, "behav": behav, "coef": coef, "advantages": adv,
+           "index": torch.tensor(index, dtype=torch.long), "tokens": torch.tensor(tokens, dtype=torch.long)}
+    if packed:
+        out["input_ids"] = torch.tensor([[t for s in rows for t in s.prompt + s.completion]], dtype=torch.long)
+        out["position_ids"] = torch.cat([torch.arange(s.length) for s in rows])[None]
+        out["seq_lens"] = tuple(s.length for s in rows)
+    else:
+        input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+        attn = torch.zeros((b, length), dtype=torch.long)
+        for i, s in enumerate(rows):
+            input_ids[i, : s.length] = torch.tensor(s.prompt + s.completion, dtype=torch.long)
+            attn[i, : s.length] = 1
+        out["input_ids"], out["attention_mask"] = input_ids, attn
+    return out

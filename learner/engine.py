@@ -9,7 +9,11 @@ offers the four things the trainer needs:
 - :meth:`train_step`: one optimizer step over this rank's share of a batch,
   micro-batched by token budget with gradient accumulation (DeepSpeed's
   accumulation boundary is set by hand because the number of micro-batches
-  varies per step; every rank runs the same number, see ``learner.batch``);
+  varies per step; every rank runs the same number, see ``learner.batch``).
+  Micro-batches are padding-free by default (``learner.packing``: one packed
+  row, attention kept within each sequence by ``learner.packing``), and the
+  log-probs come from the final hidden states a chunk of tokens at a time
+  (``learner.logits``), never the whole micro-batch's logits;
 - :meth:`full_state_dict`: the full weights in Hugging Face naming on rank 0
   (ZeRO-3 parameters gathered module by module with ``GatheredParameters``;
   LoRA merged into the base weights), for publishing;
@@ -46,10 +50,13 @@ from pathlib import Path
 import torch
 
 from broker.files import write_atomic
-from learner.batch import TrainSeq, collate, pack
+from learner.batch import TrainSeq, bucket, collate, pack
 from learner.crash import crash_point
 from learner.distributed import collective, init_distributed
-from learner.loss import LossStats, token_entropy, token_logprobs, token_loss
+from learner.logits import chunk_count, scored_logprobs, spread
+from learner.loss import LossStats, token_loss
+from learner.packing import packing_error
+from learner.packing import register as register_packed_attention
 from learner.rng import load_rng_state, rng_state, seed_everything, set_rng_state
 from services import watchdog
 from services.config import RunConfig
@@ -108,7 +115,10 @@ class LearnerEngine:
         self._host: dict[str, torch.Tensor] = {}  # pinned host copies of the published weights (see _to_host)
         seed_everything(cfg.learner.seed)
         lc = cfg.learner
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+        self.packed = lc.packing
+        # packed micro-batches need attention that stays within each sequence (learner.packing)
+        attention = {"attn_implementation": register_packed_attention()} if self.packed else {}
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, **attention)
         t_model = time.monotonic()
         model.config.use_cache = False
         self.vocab_size = model.config.vocab_size
@@ -142,7 +152,7 @@ class LearnerEngine:
         self.zero_stage = lc.zero_stage
         self.ref = None
         if cfg.loss.beta > 0 and not self.lora:
-            ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+            ref = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32, **attention)
             ref.config.use_cache = False
             ref.requires_grad_(False)
             if lc.zero_stage == 3:
@@ -156,33 +166,60 @@ class LearnerEngine:
                 dtype = torch.bfloat16 if lc.precision == "bf16" else torch.float32
                 self.ref = ref.to(self.device, dtype=dtype)
             self.ref.eval()
+        self.head = _output_head(self.engine.module)
+        self.ref_head = _output_head(self.ref) if self.ref is not None else None
+        if self.packed:
+            self.engine.eval()
+            why = packing_error(self.engine, self.vocab_size, self.device)
+            self.engine.train()
+            if why is not None:
+                log.warning("learner.packing: %s; training on padded micro-batches instead", why)
+                self.packed = False
         log.info("engine up in %.1f s (imports %.1f s, process group %.1f s, model %.1f s, deepspeed.initialize "
                  "%.1f s)", time.monotonic() - t0, t_imports - t0, t_group - t_imports, t_model - t_group, t_ds)
 
     # -- training ------------------------------------------------------------
 
-    def _logits(self, module, batch: dict) -> torch.Tensor:
-        out = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        # sample-time temperature: the behaviour log-probs describe softmax(logits / T)
-        return out.logits[:, :-1].float() / self.cfg.sampling.temperature
+    def _scored(self, module, head: torch.nn.Module, batch: dict, chunks: int,
+                entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs and entropies ``[B, T]`` (zero off the completion tokens) of ``batch`` under
+        ``module``, whose output head is ``head``; ``entropy`` as :func:`learner.logits.scored_logprobs`."""
+        if self.packed:
+            shape = {"position_ids": batch["position_ids"], "packed_seq_lens": batch["seq_lens"]}
+        else:
+            shape = {"attention_mask": batch["attention_mask"]}
+        # the model stops at its final hidden states (logits for one position only: the head's
+        # forward still runs, which keeps ZeRO-3's hooks in their usual order); learner.logits applies
+        # the head, the temperature and the log-softmax a chunk at a time
+        out = module(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=1, output_hidden_states=True,
+                     **shape)
+        logp, ent = scored_logprobs(out.hidden_states[-1], head, batch["index"], batch["tokens"],
+                                    temperature=self.cfg.sampling.temperature, chunks=chunks, entropy=entropy)
+        return spread(logp, batch["mask"]), None if ent is None else spread(ent, batch["mask"])
 
-    def _ref_logp(self, batch: dict) -> torch.Tensor:
+    def _ref_logp(self, batch: dict, chunks: int) -> torch.Tensor:
         with torch.no_grad():
             if self.lora:
                 with self.engine.module.disable_adapter():
-                    logits = self._logits(self.engine, batch)
-            else:
-                logits = self._logits(self.ref, batch)
-            return token_logprobs(logits, batch["targets"])
+                    return self._scored(self.engine, self.head, batch, chunks, "none")[0]
+            return self._scored(self.ref, self.ref_head, batch, chunks, "none")[0]
 
-    def micro_batches(self, seqs: list[TrainSeq]) -> list[list[TrainSeq]]:
-        """This rank's micro-batches, padded with empty ones to the count of the busiest rank."""
-        mbs = pack(seqs, self.cfg.learner.micro_batch_tokens)
+    def micro_batches(self, seqs: list[TrainSeq]) -> list[tuple[list[TrainSeq], int]]:
+        """This rank's micro-batches, padded with empty ones to the count of the busiest rank, each
+        with the number of logit chunks (``learner.logits``) all ranks agree on for it: under ZeRO-3
+        every call of the output head gathers its weight, collectively."""
+        lc = self.cfg.learner
+        mbs = (pack if self.packed else bucket)(seqs, lc.micro_batch_tokens)
         # on the accelerator: NCCL reduces device tensors only (gloo takes either)
         n = torch.tensor([len(mbs)], dtype=torch.long, device=self.device)
         with self._collective("all_reduce(MAX) of the micro-batch count", in_step=True):
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
-        return mbs + [[] for _ in range(int(n) - len(mbs))]
+        mbs = mbs + [[] for _ in range(int(n) - len(mbs))]
+        chunks = torch.tensor([chunk_count(sum(len(s.completion) for s in mb), lc.logit_chunk_tokens) for mb in mbs],
+                              dtype=torch.long, device=self.device)
+        with self._collective("all_reduce(MAX) of the logit chunk counts", in_step=True):
+            torch.distributed.all_reduce(chunks, op=torch.distributed.ReduceOp.MAX)
+        return list(zip(mbs, chunks.tolist(), strict=True))
 
     # -- watchdogs ---------------------------------------------------------------
 
@@ -213,13 +250,13 @@ class LearnerEngine:
         self.engine.train()
         mbs = self.micro_batches(seqs)
         local = LossStats()
-        for i, mb in enumerate(mbs):
-            batch = {k: v.to(self.device) for k, v in collate(mb, self.pad_id).items()}
+        for i, (mb, chunks) in enumerate(mbs):
+            batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                     for k, v in collate(mb, self.pad_id, packed=self.packed).items()}
             self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
-            logits = self._logits(self.engine, batch)
-            logp = token_logprobs(logits, batch["targets"])
-            entropy = token_entropy(logits if cfg.loss.entropy_coef > 0 else logits.detach())
-            ref_logp = self._ref_logp(batch) if cfg.loss.beta > 0 else None
+            logp, entropy = self._scored(self.engine, self.head, batch, chunks,
+                                         "grad" if cfg.loss.entropy_coef > 0 else "value")
+            ref_logp = self._ref_logp(batch, chunks) if cfg.loss.beta > 0 else None
             loss, st = token_loss(
                 cfg.loss, logp=logp, behav_logp=batch["behav"], advantages=batch["advantages"],
                 mask=batch["mask"], coef=batch["coef"], ref_logp=ref_logp, entropy=entropy,
@@ -396,6 +433,15 @@ class LearnerEngine:
         if rng.exists():
             set_rng_state(load_rng_state(rng))
         return state
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The output head (``lm_head``, the embedding when tied) of a Hugging Face causal LM, through a
+    DeepSpeed engine and a peft wrapper; a LoRA on the head itself is part of the module returned."""
+    model = getattr(model, "module", model)  # a DeepSpeed engine
+    if hasattr(model, "get_base_model"):  # peft
+        model = model.get_base_model()
+    return model.get_output_embeddings()
 
 
 def _inside(name: str, parent: str) -> bool:

@@ -211,7 +211,18 @@ class LearnerConfig(Section):
     groups_per_step: int = Field(default=8, ge=1)
     """Prompt groups per optimizer step (batch = groups_per_step x group_size sequences)."""
     micro_batch_tokens: int = Field(default=8192, ge=64)
-    """Token budget of one micro-batch (sequences are packed up to it; gradients accumulate)."""
+    """Token budget of one micro-batch (sequences are packed up to it; gradients accumulate). A
+    sequence longer than the budget gets a micro-batch of its own."""
+    packing: bool = True
+    """Padding-free micro-batches: a micro-batch's sequences are concatenated into one row with
+    per-sequence position ids and attention that stays within each sequence (``learner.packing``),
+    so no compute goes to padding. ``false``: one right-padded row per sequence, micro-batches
+    bucketed by length. A model whose attention does not honour the packing falls back to
+    padding at start-up, with a warning."""
+    logit_chunk_tokens: int = Field(default=1024, ge=1)
+    """Log-probs and entropy are computed from the final hidden states this many completion
+    tokens at a time, each chunk recomputed in the backward pass (``learner.logits``): the
+    learner never holds more than this many tokens' fp32 logits (``tokens x vocabulary``)."""
     gradient_checkpointing: bool = False
     """Activation checkpointing."""
     steps: int = Field(default=100, ge=1)

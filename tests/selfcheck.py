@@ -65,8 +65,8 @@ def probe_logprobs(engine) -> list[float]:
     ids = torch.tensor([PROBE], device=engine.device)
     engine.engine.eval()
     with torch.no_grad():
-        logits = engine._logits(engine.engine, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-        lp = token_logprobs(logits, ids[:, 1:])
+        logits = engine.engine(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+        lp = token_logprobs(logits[:, :-1].float() / engine.cfg.sampling.temperature, ids[:, 1:])
     engine.engine.train()
     return lp[0].tolist()
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from learner.batch import TrainSeq, build_batch, check_group, collate, pack, split_ranks
+from learner.batch import TrainSeq, bucket, build_batch, check_group, collate, pack, split_ranks
 from services.config import LossConfig
 from services.wire import ScoredSample, TrajectoryGroup
 
@@ -60,13 +61,45 @@ def test_collate_aligns_targets_with_logits():
     assert dummy["mask"].sum() == 0
 
 
-def test_pack_respects_the_token_budget():
+def test_bucket_keeps_the_padded_size_within_the_budget():
     rows = [TrainSeq(f"g{i}", (1,) * 2, (2,) * n, (-1.0,) * n, 0.0, 1.0) for i, n in enumerate([8, 2, 3, 1, 6])]
-    mbs = pack(rows, budget_tokens=20)
+    mbs = bucket(rows, budget_tokens=20)
     assert sorted(r.group_id for mb in mbs for r in mb) == sorted(r.group_id for r in rows)
     for mb in mbs:
         assert len(mb) == 1 or len(mb) * max(r.length for r in mb) <= 20
-    assert len(pack(rows, budget_tokens=4)) == 5  # over-long rows get a micro-batch each
+    assert len(bucket(rows, budget_tokens=4)) == 5  # over-long rows get a micro-batch each
+
+
+def test_pack_counts_real_tokens_and_fills_micro_batches_first_fit():
+    # lengths 10, 4, 5, 3, 8 (prompt 2): 30 tokens fit two budgets of 16 exactly when packed
+    rows = [TrainSeq(f"g{i}", (1,) * 2, (2,) * n, (-1.0,) * n, 0.0, 1.0) for i, n in enumerate([8, 2, 3, 1, 6])]
+    mbs = pack(rows, budget_tokens=16)
+    assert [[r.length for r in mb] for mb in mbs] == [[10, 5], [8, 4, 3]]  # first fit, longest first
+    assert [[r.length for r in mb] for mb in bucket(rows, 16)] == [[10], [8, 5], [4, 3]]  # padded: three
+    assert sorted(r.group_id for mb in mbs for r in mb) == sorted(r.group_id for r in rows)
+    assert [len(mb) for mb in pack(rows, budget_tokens=4)] == [1] * 5  # over-long rows get a micro-batch each
+    assert pack(rows, 16) == mbs and pack([], 16) == []
+
+
+def test_packed_collate_is_one_row_with_positions_restarting_per_sequence():
+    row = TrainSeq("g", (5, 6), (7, 8, 9), (-0.1, -0.2, -0.3), 2.0, 0.25)
+    short = TrainSeq("g", (5,), (4,), (-0.5,), -1.0, 0.5)
+    padded, packed = collate([row, short], pad_id=0), collate([row, short], pad_id=0, packed=True)
+    assert packed["input_ids"].tolist() == [[5, 6, 7, 8, 9, 5, 4]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert packed["seq_lens"] == (5, 2) and "attention_mask" not in packed
+    # the loss's tensors are the padded layout's, whatever the model's input
+    for key in ("targets", "mask", "behav", "coef", "advantages", "tokens"):
+        assert torch.equal(packed[key], padded[key]), key
+    assert packed["tokens"].tolist() == [7, 8, 9, 4]
+    # the output at each index predicts the token: position 1 (6 -> 7) ... and row 2's position 0 (5 -> 4)
+    assert packed["index"].tolist() == [1, 2, 3, 5]
+    assert padded["index"].tolist() == [1, 2, 3, 5]  # row 2 starts at 5 in the [2, 5] padded input too
+    three = collate([short, short, row], pad_id=0, packed=True)
+    assert three["index"].tolist() == [0, 2, 5, 6, 7]
+    assert collate([short, short, row], pad_id=0)["index"].tolist() == [0, 5, 11, 12, 13]
+    dummy = collate([], pad_id=0, packed=True)
+    assert dummy["mask"].sum() == 0 and dummy["index"].numel() == 0 and dummy["seq_lens"] == (2,)
 
 
 def test_split_ranks_balances_tokens_deterministically():
