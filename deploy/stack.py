@@ -268,11 +268,11 @@ class Stack:
             if child.restarts >= self.max_restarts:
                 raise StackError(f"{child.name} exited with code {code} after {child.restarts} restarts")
             child.restarts += 1
-            delay = min(30.0, 2.0 ** child.restarts)
+            delay = min(30.0, self.settings.restart_backoff_s * 2.0 ** (child.restarts - 1))
             left = self._end_group(child)
             self.echo(f"[stack] {child.name} exited with code {code}"
                       + (f" ({left} processes of its group killed)" if left else "")
-                      + f"; restart {child.restarts}/{self.max_restarts} in {delay:.0f} s")
+                      + f"; restart {child.restarts}/{self.max_restarts} in {delay:g} s")
             if self._stopping.wait(delay):
                 return
             self._spawn(child)

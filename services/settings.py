@@ -201,6 +201,9 @@ class StackSettings(CommonSettings):
 
     max_restarts: int = Field(default=3, ge=0)
     """Restarts of a crashed service (with back-off) before the stack fails (TANDEM_STACK_MAX_RESTARTS)."""
+    restart_backoff_s: float = Field(default=2.0, ge=0)
+    """Seconds before a crashed service's first restart, doubled for each further restart, at most 30
+    (TANDEM_STACK_RESTART_BACKOFF_S)."""
     stop_grace_s: float = Field(default=15.0, ge=0)
     """Seconds a service gets to exit after SIGTERM before its process group is killed
     (TANDEM_STACK_STOP_GRACE_S)."""

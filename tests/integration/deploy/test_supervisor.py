@@ -1,10 +1,11 @@
 """The supervisor restarts a crashed service with growing delays, then gives up (deploy/stack.py).
 
 A real ``tandem up --only reward`` (embedded Redis and the reward server, the
-quickest service to start) with ``TANDEM_STACK_MAX_RESTARTS=2``: the reward
-server is killed -9 three times. The first two kills are followed by a
-restart no sooner than the back-off (2 s, then 4 s, measured from the kill to
-the new process's start time in ``/proc``); the third ends ``tandem up`` with
+quickest service to start) with ``TANDEM_STACK_MAX_RESTARTS=2`` and
+``TANDEM_STACK_RESTART_BACKOFF_S=0.5``: the reward server is killed -9 three
+times. The first two kills are followed by a restart no sooner than the
+back-off (0.5 s, then doubled: 1 s, measured from the kill to the new process's
+start time in ``/proc``); the third ends ``tandem up`` with
 exit code 1 and a message naming the service and the restarts, and leaves no
 process of the stack behind.
 """
@@ -60,6 +61,7 @@ def _healthy(url: str) -> bool:
 def test_a_killed_service_is_restarted_with_back_off_until_max_restarts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     env["TANDEM_STACK_MAX_RESTARTS"] = "2"
+    env["TANDEM_STACK_RESTART_BACKOFF_S"] = "0.5"  # the default 2 s would only make the test wait longer
     stack_dir, log = tmp_path / "stack", tmp_path / "up.log"
     up = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--only", "reward", "--run-dir", str(stack_dir)],
                           cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -87,9 +89,11 @@ def test_a_killed_service_is_restarted_with_back_off_until_max_restarts(tmp_path
             up.wait()
     out = log.read_text()
     print(f"restart delays after kill -9: {[round(d, 2) for d in delays]} s")
-    # back-off 2 s then 4 s (lower bounds: a loaded machine only makes them later)
-    assert delays[0] >= 2.0 and delays[1] >= 4.0, delays
-    assert "restart 1/2 in 2 s" in out and "restart 2/2 in 4 s" in out, out[-3000:]
+    # back-off 0.5 s then 1 s (lower bounds: a loaded machine only makes them later; /proc gives the
+    # start time in clock ticks, rounded down)
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert delays[0] >= 0.5 - tick and delays[1] >= 1.0 - tick, delays
+    assert "restart 1/2 in 0.5 s" in out and "restart 2/2 in 1 s" in out, out[-3000:]
     assert code == 1, out[-3000:]
     assert "reward exited with code -9 after 2 restarts" in out, out[-3000:]
     assert not [p for pid in [*started, redis_pid] for p in group_members(pid)], "a process of the stack is left"
