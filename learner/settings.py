@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from pydantic import Field
 
 from services.settings import WorkerSettings, settings_config
@@ -14,3 +17,23 @@ class LearnerSettings(WorkerSettings):
 
     poll_s: float = Field(default=0.5, gt=0)
     """Without TANDEM_RUN_ID: how often the learner looks for the control plane's active run."""
+    one_run: str | None = None
+    """Train this one run of the run registry, with the config it was submitted with, and exit when it
+    ends (TANDEM_LEARNER_ONE_RUN; the Modal learner, which the control plane spawns per run). Unset,
+    without TANDEM_RUN_ID: follow every run the control plane activates (`tandem up`, docker-compose)."""
+    holder: str | None = None
+    """This learner's id in its run's lease (TANDEM_LEARNER_HOLDER; every rank of one job must agree).
+    Unset: ``host:pid`` of the process (of torchrun's agent, under torchrun). On Modal: the spawned
+    call's id, the same in every attempt Modal retries, so a retry takes over its own lease at once."""
+    lease_s: float = Field(default=30.0, gt=0)
+    """Length of the run's learner lease, renewed every third of it (TANDEM_LEARNER_LEASE_S). A second
+    learner of a run waits 1.5 times this for the lease and then gives up, naming its holder; a learner
+    that cannot renew it for this long ends itself."""
+
+    @property
+    def holder_id(self) -> str:
+        """:attr:`holder`, or its default (every rank of a torchrun job shares the agent's pid)."""
+        if self.holder:
+            return self.holder
+        under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        return f"{socket.gethostname()}:{os.getppid() if under_torchrun else os.getpid()}"
