@@ -624,28 +624,32 @@ def deploy(
     target: Annotated[str, typer.Argument(help="Where to deploy (modal).")],
     config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML) the deployed services serve.")],
     modal_toml: Annotated[Path | None, typer.Option("--modal-toml", help="TOML file with a [modal] table (GPUs, containers).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and its environment; deploy nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the command; deploy nothing.")] = False,
 ) -> None:
-    """Deploy the services as a Modal app: `modal deploy -m deploy.modal_app` for this run config."""
+    """Deploy the services as a Modal app: `modal deploy -m deploy.modal_app` for this run config (the plan,
+    role by role, is printed first)."""
     import os
     import shlex
     import subprocess
     import sys
 
+    from deploy.config import describe, load_deploy
     from services.config import ConfigError, load_run_config
 
     if target != "modal":
         _fail(f"unknown deploy target {target!r} (choose from: modal)")
-    try:
-        load_run_config(config)
-    except ConfigError as e:
-        _fail(str(e))
     if modal_toml is not None and not modal_toml.exists():
         _fail(f"{modal_toml}: no such file")
+    try:
+        run_config = load_run_config(config)
+        plan = describe(load_deploy(modal_toml), run_config.name)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
     env = {"DEPLOY_RUN_CONFIG": str(config.resolve())}
     if modal_toml is not None:
         env["DEPLOY_MODAL_TOML"] = str(modal_toml.resolve())
     cmd = [sys.executable, "-m", "modal", "deploy", "-m", "deploy.modal_app"]
+    typer.echo("\n".join(plan), err=True)
     typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), err=True)
     if dry_run:
         return

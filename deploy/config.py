@@ -27,6 +27,7 @@ produced them. Modal itself is not imported here.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -37,6 +38,7 @@ RUN_DIR = "/runs"
 """Where the weights volume is mounted in every container, and ``TANDEM_RUN_DIR`` there."""
 
 ROLES = ("control", "rollout", "reward", "learner")
+"""The services; the app also has the rollout autoscaler (``autoscale``)."""
 
 # Pins of the images, one list per pyproject extra (a test checks they match pyproject.toml).
 CORE_PACKAGES = [
@@ -69,9 +71,11 @@ IMAGE_PACKAGES = {
     "reward": CORE_PACKAGES + EXTRA_PACKAGES["reward"] + EXTRA_PACKAGES["modal"],
     "rollout": CORE_PACKAGES + EXTRA_PACKAGES["gpu"] + EXTRA_PACKAGES["modal"],
     "learner": CORE_PACKAGES + [TORCH] + EXTRA_PACKAGES["learner"] + EXTRA_PACKAGES["modal"],
+    "autoscale": CORE_PACKAGES + EXTRA_PACKAGES["modal"],
 }
 """pip packages of each role's image: the reward server needs modal for its sandbox backend, the
-rollout servers and the learner for reloading and committing the weights volume."""
+rollout servers and the learner for reloading and committing the weights volume, the autoscaler
+for setting the rollout class's containers."""
 
 
 class RoleDeploy(BaseModel):
@@ -97,6 +101,10 @@ class RoleDeploy(BaseModel):
     """Requests one container serves at once (``@modal.concurrent(max_inputs=...)``)."""
     nodes: int = Field(default=1, ge=1, le=32)
     """Containers of one clustered job (learner only; > 1 uses ``@modal.clustered``)."""
+    retries: int = Field(default=0, ge=0, le=10)
+    """Learner only: how often Modal runs a failed or timed-out call again (each attempt gets
+    ``timeout_s`` and resumes from the run's last checkpoint): a run may train for
+    ``(retries + 1) * timeout_s`` in all."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RoleDeploy:
@@ -117,17 +125,55 @@ def gpu_count(gpu: str) -> int:
     return int(count or 1)
 
 
+LABEL = re.compile(r"^[a-z](?:[a-z0-9]|-(?!-))*[a-z0-9]$")
+"""A Modal endpoint label: a DNS label (lowercase letters, digits, single dashes inside), which Modal
+puts after ``<workspace>--`` in the endpoint's host name (modal/_utils/name_utils.py's rule, and no
+``--``, which separates the workspace)."""
+APP_NAME_MAX = 40
+"""Longest app name: the longest label, ``<app>-control``, then leaves 13 of a DNS label's 63
+characters for ``<workspace>--``."""
+ENDPOINTS = ("control", "reward", "rollout")
+"""The roles served as web endpoints, each under the label ``<app>-<role>``."""
+
+
+class Autoscale(BaseModel):
+    """The rollout autoscaler (``deploy.autoscale``): how it sizes the fleet within
+    ``[modal.rollout]``'s ``min_containers``..``max_containers``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    enabled: bool = True
+    """Run the scheduled autoscaler function; false: the fleet stays at ``min_containers``."""
+    interval_s: int = Field(default=30, ge=5, le=3600)
+    """Seconds between two looks at the backlog (the function's ``modal.Period``)."""
+    up_after: int = Field(default=2, ge=1)
+    """Consecutive looks that must find work waiting and admission open before a container is added."""
+    down_after: int = Field(default=6, ge=1)
+    """Consecutive looks that must find the fleet too large (no work waiting, admission full, or groups
+    dropped as stale) before a container is removed: slower down than up, so a pause between two
+    publishes does not shrink the fleet."""
+    cooldown_s: float = Field(default=120.0, ge=0)
+    """Seconds after a change during which no other change is made (a new vLLM container takes minutes)."""
+
+
 class ModalDeploy(BaseModel):
-    """The ``[modal]`` section: one app, one weights volume, one secret, four roles."""
+    """The ``[modal]`` section: one app, one weights volume, two secrets, four roles."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     app_name: str | None = None
-    """Modal app name; default ``tandem-<run config name>``."""
+    """Modal app name; default ``tandem-<run config name>``. It prefixes the endpoint labels
+    (``<app>-control``, ...): lowercase letters, digits and single dashes, at most 40 characters."""
     volume: str = "tandem-runs"
-    """Modal Volume holding the run directory (weight versions, checkpoints, models), mounted at /runs."""
+    """Modal Volume holding the run directory (weight versions, checkpoints, models), mounted at /runs
+    in every role but the reward server's."""
     secret: str = "tandem"
-    """Modal Secret with ``TANDEM_TOKEN`` and ``REDIS_URL`` (an external Redis every role reaches)."""
+    """Modal Secret of every role but the reward server: ``TANDEM_TOKEN``, ``REDIS_URL`` (an external
+    Redis), and the reward server's token for its callers, ``TANDEM_ROLLOUT_REWARD_TOKEN`` and
+    ``TANDEM_CONTROL_REWARD_TOKEN``."""
+    reward_secret: str = "tandem-reward"
+    """Modal Secret of the reward server alone: its own ``TANDEM_TOKEN`` (the value of the reward tokens
+    above), so the container that runs model-written code holds neither the master token nor Redis."""
     region: str | None = None
     """Pin every role to one region (near the Redis); None: Modal chooses (pinning costs more)."""
     rollout_port: int = Field(default=8000, ge=1, le=65535)
@@ -146,19 +192,47 @@ class ModalDeploy(BaseModel):
                                     concurrency=64)
     """Reward servers (CPU; code runs in Modal Sandboxes). Scale with /v1/score traffic."""
     learner: RoleDeploy = RoleDeploy(gpu="H100:8", cpu=32.0, memory_mib=256 * 1024,
-                                     scaledown_window_s=60)
-    """The learner: one job of ``nodes`` containers, each with all 8 GPUs of its node."""
+                                     scaledown_window_s=60, retries=10)
+    """The learner: a job of ``nodes`` containers per run (each with all 8 GPUs of its node), spawned by
+    the control plane when it accepts the run and retried by Modal after a failure or a timeout."""
+    autoscale: Autoscale = Autoscale()
+    """The rollout autoscaler."""
 
     @model_validator(mode="after")
     def _roles(self) -> ModalDeploy:
+        if self.app_name is not None:
+            check_app_name(self.app_name, "modal.app_name")
         for name in ("control", "rollout", "reward"):
             if getattr(self, name).nodes != 1:
                 raise ValueError(f"modal.{name}.nodes: only the learner runs on several nodes")
+            if getattr(self, name).retries:
+                raise ValueError(f"modal.{name}.retries: only the learner's call is retried (web endpoints "
+                                 "cannot be)")
+        if self.autoscale.enabled and self.rollout.max_containers is None:
+            raise ValueError("modal.rollout.max_containers: the autoscaler needs a top (or modal.autoscale.enabled "
+                             "= false)")
         if self.learner.gpu is None:
             raise ValueError("modal.learner.gpu: the learner needs GPUs (\"H100:8\")")
         if self.rollout.gpu is None:
             raise ValueError("modal.rollout.gpu: vLLM on Modal needs a GPU (\"H100:1\")")
         return self
+
+
+def check_app_name(name: str, field: str) -> str:
+    """``name`` if it makes valid endpoint labels (:data:`LABEL`, :data:`APP_NAME_MAX`); else ValueError."""
+    if len(name) > APP_NAME_MAX or not all(LABEL.match(f"{name}-{role}") for role in ENDPOINTS):
+        raise ValueError(f"{field} = {name!r}: an app name is lowercase letters, digits and single dashes, starts "
+                         f"with a letter and has at most {APP_NAME_MAX} characters (its endpoints are "
+                         f"<workspace>--{name}-control.modal.run, ...)")
+    return name
+
+
+def app_name(plan: ModalDeploy, run_name: str) -> str:
+    """The deployed app's name: ``[modal].app_name``, else ``tandem-<run config name>`` when that is a
+    valid one (else ValueError asking for ``app_name``)."""
+    if plan.app_name is not None:
+        return plan.app_name
+    return check_app_name(f"tandem-{run_name}", f"modal.app_name (unset: from the run config's name {run_name!r})")
 
 
 def load_deploy(path: str | Path | None) -> ModalDeploy:
@@ -174,25 +248,81 @@ def load_deploy(path: str | Path | None) -> ModalDeploy:
 
 def role_options(plan: ModalDeploy, role: str) -> dict:
     """The keyword arguments of ``@app.function`` / ``@app.cls`` for ``role`` (images, volumes
-    and secrets are added by ``deploy.modal_app``). The learner gets no autoscaling options: it is
-    one job, spawned once."""
+    and secrets are added by ``deploy.modal_app``; the learner's ``retries`` too, as a
+    ``modal.Retries``). The learner is a job per run, spawned by the control plane: at most one
+    cluster of ``nodes`` containers at a time (``max_containers``; Modal wants a multiple of the
+    cluster size), none kept warm."""
+    if role == "autoscale":  # one short look per period
+        return {"cpu": 0.25, "memory": 512, "timeout": 120, "region": plan.region}
     r: RoleDeploy = getattr(plan, role)
     options = {"gpu": r.gpu, "cpu": r.cpu, "memory": r.memory_mib, "timeout": r.timeout_s,
                "region": plan.region}
-    if role != "learner":
-        options |= {"min_containers": r.min_containers, "max_containers": r.max_containers,
-                    "scaledown_window": r.scaledown_window_s}
-    return options
+    if role == "learner":
+        return options | {"max_containers": r.nodes, "scaledown_window": r.scaledown_window_s}
+    return options | {"min_containers": r.min_containers, "max_containers": r.max_containers,
+                      "scaledown_window": r.scaledown_window_s}
+
+
+SECRET_KEYS = {
+    "shared": ["TANDEM_TOKEN", "REDIS_URL", "TANDEM_ROLLOUT_REWARD_TOKEN", "TANDEM_CONTROL_REWARD_TOKEN"],
+    "reward": ["TANDEM_TOKEN"],
+}
+"""The keys each Modal Secret must hold (checked by Modal when a container starts)."""
+
+
+def role_secret(plan: ModalDeploy, role: str) -> tuple[str, list[str]]:
+    """(Secret name, its required keys) of ``role``: the reward server gets its own (``reward_secret``,
+    its token only); the others share ``secret``."""
+    if role == "reward":
+        return plan.reward_secret, SECRET_KEYS["reward"]
+    return plan.secret, SECRET_KEYS["shared"]
+
+
+def role_volumes(role: str) -> tuple[str, ...]:
+    """Where the weights volume is mounted in ``role``'s containers: nowhere in the reward server's
+    (it runs model-written code; whoever can write checkpoints can run code in the learner) nor the
+    autoscaler's (it reads Redis only)."""
+    return () if role in ("reward", "autoscale") else (RUN_DIR,)
 
 
 def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
     """Environment each role's containers get beyond the secret (all read by settings classes)."""
-    env = {"TANDEM_RUN_DIR": RUN_DIR}
-    if role in ("rollout", "learner"):
-        env["TANDEM_RUN_DIR_VOLUME"] = plan.volume  # commit after a version is written, reload before read
+    env = {"TANDEM_RUN_DIR": RUN_DIR} if role_volumes(role) else {}
+    if role in ("control", "rollout", "learner"):
+        # the learner commits after a version or a checkpoint is written, a rollout server reloads before
+        # reading a version, the control plane before looking for a model uploaded since it started
+        env["TANDEM_RUN_DIR_VOLUME"] = plan.volume
     if role == "reward":
         env["TANDEM_REWARD_SANDBOX"] = "modal"
     if role == "rollout":
         env["TANDEM_HOST"] = "0.0.0.0"  # @modal.web_server forwards to the container's port
         env["TANDEM_PORT"] = str(plan.rollout_port)
     return env
+
+
+def describe(plan: ModalDeploy, run_name: str) -> list[str]:
+    """The deployment ``plan`` makes, a line each (``tandem deploy modal --dry-run`` prints it)."""
+    name = app_name(plan, run_name)
+
+    def role(r: RoleDeploy) -> str:
+        return f"{r.gpu or 'no GPU'}, {r.cpu:g} CPU, {r.memory_mib} MiB, timeout {r.timeout_s} s"
+
+    lines = [f"app {name}{f' in {plan.region}' if plan.region else ''}; volume {plan.volume} at {RUN_DIR} "
+             f"(not in the reward server)"]
+    for which in ("control", "reward"):
+        r = getattr(plan, which)
+        lines.append(f"  {which}: web endpoint <workspace>--{name}-{which}.modal.run; {role(r)}; "
+                     f"{r.min_containers}..{r.max_containers or 'any'} containers")
+    r, a = plan.rollout, plan.autoscale
+    lines.append(f"  rollout: {role(r)}; {r.min_containers}..{r.max_containers or 'any'} containers, "
+                 + (f"set every {a.interval_s} s by the autoscaler (more after {a.up_after} looks, fewer after "
+                    f"{a.down_after}, {a.cooldown_s:g} s apart; at most the run's admission capacity)"
+                    if a.enabled else f"fixed at {r.min_containers} (autoscaler off)"))
+    r = plan.learner
+    lines.append(f"  learner: a call per run, spawned by the control plane; {r.nodes} node(s) of {role(r)}; "
+                 f"retried {r.retries} times (a run trains up to {(r.retries + 1) * r.timeout_s / 3600:g} h)")
+    for which in ("control", "reward"):
+        secret, keys = role_secret(plan, which)
+        users = "the reward server alone" if which == "reward" else "every other role"
+        lines.append(f"  secret {secret} ({users}): {', '.join(keys)}")
+    return lines

@@ -4,33 +4,39 @@ Who talks to whom (as in the local stack; docs/architecture.md section 1):
 
 | function | Modal shape | runs |
 |---|---|---|
-| ``control`` | CPU, ``@modal.asgi_app`` | ``control_plane.build_app`` (what ``tandem serve control`` serves) |
+| ``control`` | CPU, ``@modal.asgi_app`` | ``control_plane.build_app`` (what ``tandem serve control`` serves), which spawns ``learner`` for each run it accepts |
 | ``reward`` | CPU, ``@modal.asgi_app`` | ``reward_server.build_app`` with ``TANDEM_REWARD_SANDBOX=modal`` |
 | ``Rollout.serve`` | GPU class, ``@modal.web_server`` | ``tandem serve rollout --config RUN.toml`` (vLLM + actor loop) |
-| ``learner`` | ``H100:8`` (× nodes, ``@modal.clustered``) | ``torchrun ... -m deploy.cli serve learner --config RUN.toml`` |
+| ``learner`` | ``H100:8`` (× nodes, ``@modal.clustered``), a call per run, retried | ``torchrun ... -m deploy.cli serve learner`` for that run (``TANDEM_LEARNER_ONE_RUN``) |
+| ``autoscale`` | CPU, scheduled | ``deploy.autoscale.tick``: sets ``Rollout``'s ``min_containers`` from the backlog |
 
-Every entrypoint only builds settings and calls the local path's ``build_app``
-or runs its ``tandem serve`` command line (``deploy.launch``); a unit test
-checks the names each entrypoint calls. Redis is external: the Secret
-``tandem`` must hold ``TANDEM_TOKEN`` and ``REDIS_URL`` (MODAL-NOTES section 5).
-Weights, checkpoints and models live in the Volume ``tandem-runs``, mounted
-at ``/runs`` (``TANDEM_RUN_DIR``) in every container; the run config is shipped
-at its repository path under ``/``, so its ``../../runs/...`` paths land there.
-The learner commits the Volume after writing each weight version and before
-announcing it; a rollout server reloads it before reading one
-(``TANDEM_RUN_DIR_VOLUME``, ``services.weightstore.commit_volume`` /
-``reload_volume``).
+Every service entrypoint only builds settings and calls the local path's ``build_app`` or runs
+its ``tandem serve`` command line (``deploy.launch``); a unit test checks the names each
+entrypoint calls. Redis is external. Secrets (``deploy.config.role_secret``): the Secret
+``tandem`` holds ``TANDEM_TOKEN``, ``REDIS_URL`` and the reward server's token for its callers
+(``TANDEM_ROLLOUT_REWARD_TOKEN``, ``TANDEM_CONTROL_REWARD_TOKEN``); the reward server gets only
+the Secret ``tandem-reward`` (its own ``TANDEM_TOKEN``), no Redis and no volume: it runs
+model-written code. Weights, checkpoints and models live in the Volume ``tandem-runs``, mounted
+at ``/runs`` (``TANDEM_RUN_DIR``) in the other containers; the run config is shipped alone at
+its repository path under ``/``, so its ``../../runs/...`` paths land there. The learner
+commits the Volume after writing each weight version or checkpoint; a rollout server reloads
+it before reading a version (``TANDEM_RUN_DIR_VOLUME``, ``services.weightstore``).
 
-Redis is not run inside the app: a container is reachable by others only
-over i6pn within one region and must be discovered through a ``modal.Dict``,
-and it is restarted at the 24 h timeout or on preemption (MODAL-NOTES
-section 5). An external managed Redis (TLS, password) is the one supported
-choice.
+One learner per run: the control plane spawns ``learner(run_id)`` when it accepts a run
+(``start_learner``). The call trains that run and returns when the run ends; Modal retries it
+after a failure or its 24 h timeout (``[modal.learner].retries``), and the retry resumes from
+the last checkpoint. The run's Redis lease (``broker.lease``, held by the learner under the
+call's id, the same in every attempt) keeps a second call from training it too: that one
+returns at once, naming the holder. ``max_containers`` is one cluster.
 
-Rollout containers and the work: the actor loop *pulls* prompt groups from
-Redis, so Modal's request-driven autoscaler does not see it. The actor fleet is
-``[modal.rollout].min_containers`` (kept warm); containers above it start only
-for ``/v1/generate`` traffic (evaluation) and stop after ``scaledown_window_s``.
+Signals: Modal sends SIGTERM to the container's main process; this module passes it on to the
+service processes (``launch.forward_signals``, installed when a container imports it), so the
+learner checkpoints and a rollout server releases its leases before the container goes.
+
+Redis is not run inside the app: a container is reachable by others only over i6pn within one
+region and must be discovered through a ``modal.Dict``, and it is restarted at the 24 h timeout
+or on preemption (docs/modal.md). An external managed Redis (TLS, password) is the one
+supported choice.
 
 Configuration (read when this module is imported, locally and in each container):
 
@@ -39,43 +45,38 @@ Configuration (read when this module is imported, locally and in each container)
   ``deploy.config.ModalDeploy`` (GPUs, nodes, containers, timeouts; default: its defaults).
 
 Neither name starts with ``TANDEM_``: ``tandem serve`` refuses unknown ``TANDEM_*`` names.
-
-Deploying (from the repository root, with ``modal token set`` done)::
-
-    modal secret create tandem TANDEM_TOKEN=<token> REDIS_URL=rediss://:<password>@<host>:6379
-    modal volume create tandem-runs
-    tandem bootstrap-model --out runs/models/arith                  # builds the example policy locally
-    modal volume put tandem-runs runs/models/arith models/arith     # -> /runs/models/arith
-    DEPLOY_RUN_CONFIG=examples/arith/run.toml modal deploy -m deploy.modal_app
-    python -c "import modal; modal.Function.from_name('tandem-arith', 'learner').spawn()"
-    TANDEM_URL=https://<workspace>--tandem-arith-control.modal.run \
-        tandem submit examples/arith/train.jsonl --config examples/arith/run.toml
-
-The learner is a job, not a web endpoint: spawn it once after deploying
-(it follows the run the control plane activates, as under ``tandem up``).
+Deploying: docs/modal.md, step by step (``tandem deploy modal`` runs ``modal deploy -m deploy.modal_app``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path, PurePosixPath
 
 import modal
 
+from broker.processes import free_port
 from deploy import launch
 from deploy.config import (
     IMAGE_PACKAGES,
-    RUN_DIR,
     ModalDeploy,
+    app_name,
     gpu_count,
     load_deploy,
     role_env,
     role_options,
+    role_secret,
+    role_volumes,
 )
 from services.config import load_run_config
 
+log = logging.getLogger("tandem.control")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("services", "control_plane", "broker", "rollout_server", "reward_server", "learner", "deploy")
+SOURCE_IGNORE = ["**/__pycache__/**", "**/*.pyc", "**/.*", "**/wheelhouse/**"]
+"""What of the packages is not shipped. Everything else is, package data included: the SDK's default
+ships ``.py`` files only, and the dashboard's ``control_plane/static`` would be missing (GET / 500)."""
 
 if modal.is_local():
     RUN_CONFIG = Path(os.environ.get("DEPLOY_RUN_CONFIG", REPO_ROOT / "examples" / "arith" / "run.toml"))
@@ -85,36 +86,41 @@ else:  # in a container: the image carries the resolved choices (see _image)
     REMOTE_CONFIG = PurePosixPath(os.environ["DEPLOY_RUN_CONFIG"])
     RUN_CONFIG = Path(REMOTE_CONFIG)
     SECTION = ModalDeploy.model_validate_json(os.environ["DEPLOY_MODAL_SECTION"])
+    launch.forward_signals()  # the container imports this module in its main thread
 
 CONFIG = load_run_config(RUN_CONFIG)
-APP_NAME = SECTION.app_name or f"tandem-{CONFIG.name}"
+APP_NAME = app_name(SECTION, CONFIG.name)
 
 app = modal.App(APP_NAME)
 runs = modal.Volume.from_name(SECTION.volume, create_if_missing=True)
-VOLUMES = {RUN_DIR: runs}
 
 
 def _image(role: str) -> modal.Image:
-    """``role``'s image: Python 3.11, the pinned packages of its extras, then the code and run config
-    (added last and not copied, so editing them rebuilds nothing)."""
+    """``role``'s image: Python 3.11, the pinned packages of its extras, then the code (with its
+    package data) and the run config file alone (added last and not copied, so editing them
+    rebuilds nothing; the config's folder is not shipped: at the repository root it would be
+    ``runs/`` and ``.venv``)."""
     return (
         modal.Image.debian_slim(python_version="3.11")
         .uv_pip_install(*IMAGE_PACKAGES[role])
         .env({"DEPLOY_RUN_CONFIG": str(REMOTE_CONFIG), "DEPLOY_MODAL_SECTION": SECTION.model_dump_json()})
-        .add_local_python_source(*SOURCES)
-        .add_local_dir(RUN_CONFIG.parent, str(REMOTE_CONFIG.parent))
+        .add_local_python_source(*SOURCES, ignore=SOURCE_IGNORE)
+        .add_local_file(RUN_CONFIG, str(REMOTE_CONFIG))
     )
 
 
 def _secrets(role: str) -> list[modal.Secret]:
-    return [modal.Secret.from_name(SECTION.secret, required_keys=["TANDEM_TOKEN", "REDIS_URL"]),
-            modal.Secret.from_dict(role_env(SECTION, role))]
+    name, keys = role_secret(SECTION, role)
+    return [modal.Secret.from_name(name, required_keys=keys), modal.Secret.from_dict(role_env(SECTION, role))]
 
 
 def _options(role: str) -> dict:
     """Everything ``@app.function`` / ``@app.cls`` gets for ``role``."""
-    return {**role_options(SECTION, role), "image": _image(role), "volumes": VOLUMES,
-            "secrets": _secrets(role)}
+    options = {**role_options(SECTION, role), "image": _image(role),
+               "volumes": {path: runs for path in role_volumes(role)}, "secrets": _secrets(role)}
+    if role == "learner":
+        options["retries"] = modal.Retries(max_retries=SECTION.learner.retries, initial_delay=10.0)
+    return options
 
 
 def _settings(cls):
@@ -132,11 +138,23 @@ def _settings(cls):
 @modal.concurrent(max_inputs=SECTION.control.concurrency)
 @modal.asgi_app(label=f"{APP_NAME}-control")
 def control():
-    """The control plane: REST API and dashboard."""
+    """The control plane: REST API and dashboard; it spawns the learner of each run it accepts."""
     from control_plane import build_app
     from services.settings import ControlSettings
 
-    return build_app(_settings(ControlSettings), load_run_config(RUN_CONFIG))
+    os.environ.setdefault("TANDEM_CONTROL_REWARD_URL", reward.get_web_url())  # python reward functions checked
+    return build_app(_settings(ControlSettings), load_run_config(RUN_CONFIG), start_learner=_spawn_learner)
+
+
+async def _spawn_learner(run_id: str) -> None:
+    """``learner(run_id)`` as a Modal call of its own (the control plane's ``start_learner``)."""
+    from control_plane.app import LearnerStartError
+
+    try:
+        call = await learner.spawn.aio(run_id)
+    except modal.exception.Error as e:
+        raise LearnerStartError(f"modal: {e}") from e
+    log.info("run %s: learner call %s", run_id, call.object_id)
 
 
 @app.function(**_options("reward"))
@@ -173,11 +191,41 @@ def _clustered(nodes: int):
 
 @app.function(**_options("learner"))
 @_clustered(SECTION.learner.nodes)
-def learner():
-    """The learner job: every rank of ``nodes`` × GPUs under torchrun (rank 0 publishes weights)."""
-    nodes, rank, master = SECTION.learner.nodes, 0, None
+def learner(run_id: str):
+    """The learner of one run: every rank of ``nodes`` × GPUs under torchrun (rank 0 publishes weights),
+    until the run ends. Raises when it was interrupted (SIGTERM: timeout, preemption) while the run
+    goes on, so Modal retries it; the retry resumes from the last checkpoint."""
+    nodes, rank, master, port = SECTION.learner.nodes, 0, None, None
     if nodes > 1:
         cluster = modal.Cluster.from_context()
         rank, master = cluster.container_rank(), cluster.container_ips()[0]
-    launch.run(launch.torchrun_argv(nodes=nodes, node_rank=rank, master_addr=master,
-                                    nproc_per_node=gpu_count(SECTION.learner.gpu), config=REMOTE_CONFIG))
+    else:
+        port = free_port()  # one node: any free rendezvous port
+    env = {"TANDEM_LEARNER_ONE_RUN": run_id,
+           "TANDEM_LEARNER_HOLDER": f"modal-call:{modal.current_function_call_id() or os.getpid()}"}
+    launch.run(launch.torchrun_argv(nodes=nodes, node_rank=rank, master_addr=master, master_port=port,
+                                    nproc_per_node=gpu_count(SECTION.learner.gpu)), env)
+
+
+if SECTION.autoscale.enabled:
+
+    @app.function(**_options("autoscale"), schedule=modal.Period(seconds=SECTION.autoscale.interval_s))
+    def autoscale():
+        """One look at the active run's backlog; sets ``Rollout``'s containers (``deploy.autoscale``)."""
+        import asyncio
+
+        from deploy.autoscale import tick
+        from services.settings import CommonSettings
+
+        async def look() -> None:
+            from broker import connect
+
+            redis = connect(CommonSettings().redis_url)
+            try:
+                await tick(redis, min_containers=SECTION.rollout.min_containers,
+                           max_containers=SECTION.rollout.max_containers, policy=SECTION.autoscale,
+                           apply=Rollout().update_autoscaler.aio)
+            finally:
+                await redis.aclose()
+
+        asyncio.run(look())

@@ -28,10 +28,14 @@ from deploy.config import (
     CORE_PACKAGES,
     EXTRA_PACKAGES,
     IMAGE_PACKAGES,
+    LABEL,
     ModalDeploy,
     RoleDeploy,
+    app_name,
     load_deploy,
     role_env,
+    role_secret,
+    role_volumes,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -77,6 +81,10 @@ nodes = 2
 cpu = 48.0
 memory_mib = 300000
 timeout_s = 7200
+retries = 4
+
+[modal.autoscale]
+interval_s = 45
 """
 
 
@@ -138,7 +146,7 @@ def test_importing_the_module_defines_the_whole_app_offline():
     import deploy.modal_app as m
 
     assert isinstance(m.app, modal.App) and m.app.name == "tandem-arith"
-    for fn in (m.control, m.reward, m.learner):
+    for fn in (m.control, m.reward, m.learner, m.autoscale):
         assert isinstance(fn, modal.Function)
     assert isinstance(m.Rollout, modal.Cls)
     assert m.REMOTE_CONFIG == PurePosixPath("/examples/arith/run.toml")
@@ -160,14 +168,15 @@ def test_each_function_gets_the_options_of_its_deploy_section(monkeypatch, tmp_p
         assert got.memory_mib == want.memory_mib, role
         assert got.timeout == want.timeout_s, role
         assert got.regions == ([plan.region] if plan.region else None), role
-        assert {p: v.name for p, v in got.volumes.items()} == {"/runs": plan.volume}, role
-        assert got.secrets[0] == f"modal.Secret.from_name({plan.secret!r})", role
+        assert {p: v.name for p, v in got.volumes.items()} == {p: plan.volume for p in role_volumes(role)}, role
+        assert got.secrets[0] == f"modal.Secret.from_name({role_secret(plan, role)[0]!r})", role
         assert got.secrets[1] == f"Secret.from_dict([{', '.join(role_env(plan, role))}])", role
         kw = recorded[role]
-        if role == "learner":
+        if role == "learner":  # a call per run, retried, one cluster at a time
             assert got.concurrency_info is None
             assert (got.cluster_info.size if got.cluster_info else 1) == want.nodes
-            assert not {"min_containers", "max_containers", "scaledown_window"} & kw.keys()
+            assert got.max_retries == want.retries
+            assert kw["max_containers"] == want.nodes and "min_containers" not in kw
         else:
             assert got.concurrency_info.max_inputs == want.concurrency, role
             assert got.cluster_info is None, role
@@ -181,9 +190,15 @@ def test_each_function_gets_the_options_of_its_deploy_section(monkeypatch, tmp_p
     for role in ("rollout", "learner"):
         assert role_env(plan, role)["TANDEM_RUN_DIR_VOLUME"] == plan.volume, role
         assert "modal==1.6.4" in IMAGE_PACKAGES[role], role
+    scaler = module.autoscale.info()
+    assert scaler.schedule == f"Period(seconds={float(plan.autoscale.interval_s)})" and not scaler.volumes
+    assert scaler.secrets[0] == f"modal.Secret.from_name({plan.secret!r})" and not scaler.gpus
 
 
-def test_every_secret_requires_the_token_and_redis(monkeypatch, tmp_path):
+def test_the_reward_server_gets_its_own_token_and_neither_redis_nor_the_run_volume(monkeypatch, tmp_path):
+    """The reward container runs model-written code: like docker-compose's, it holds only its own token
+    (a Secret of its own), no REDIS_URL and no writable /runs (whoever writes checkpoints runs code in
+    the learner). Before: every role got the Secret `tandem` (master token, REDIS_URL) and the volume."""
     seen = []
     real = modal.Secret.from_name
 
@@ -192,8 +207,83 @@ def test_every_secret_requires_the_token_and_redis(monkeypatch, tmp_path):
         return real(name, *a, required_keys=required_keys, **kw)
 
     monkeypatch.setattr(modal.Secret, "from_name", from_name_recorder_mock)
-    load_app(monkeypatch, tmp_path, None)
-    assert seen == [("tandem", ["TANDEM_TOKEN", "REDIS_URL"])] * 4
+    module, _ = load_app(monkeypatch, tmp_path, None)
+    shared = ("tandem", ["TANDEM_TOKEN", "REDIS_URL", "TANDEM_ROLLOUT_REWARD_TOKEN", "TANDEM_CONTROL_REWARD_TOKEN"])
+    # in definition order: control, reward, rollout, learner, autoscale
+    assert seen == [shared, ("tandem-reward", ["TANDEM_TOKEN"]), shared, shared, shared]
+    reward = module.reward.info()
+    assert reward.volumes == {}
+    assert reward.secrets == ["modal.Secret.from_name('tandem-reward')",
+                              "Secret.from_dict([TANDEM_REWARD_SANDBOX])"]
+    assert not {"REDIS_URL", "TANDEM_RUN_DIR", "TANDEM_RUN_DIR_VOLUME"} & role_env(module.SECTION, "reward").keys()
+    # its callers hold its token under their own names (settings of the rollout server and control plane)
+    from deploy.cli import settings_classes
+    from services.settings import env_names
+
+    known = set().union(*(env_names(c) for c in settings_classes().values()))
+    assert set(shared[1]) <= known
+
+
+def _mounted_files(spy_calls: list[tuple[str, tuple, dict]]) -> set[str]:
+    """The container paths the image's local-file layers ship, built with Modal's own mount builder."""
+    from modal.file_pattern_matcher import (
+        NON_PYTHON_FILES,  # add_local_python_source's default: .py files only
+        _ignore_fn,
+    )
+    from modal.mount import _Mount
+
+    files = set()
+    for method, args, kw in spy_calls:
+        if method == "add_local_python_source":
+            mount = _Mount._from_local_python_packages(*args, ignore=kw.get("ignore", NON_PYTHON_FILES))
+        elif method == "add_local_dir":
+            mount = _Mount._add_local_dir(Path(args[0]), PurePosixPath(args[1]), ignore=_ignore_fn(kw.get("ignore", [])))
+        else:
+            mount = _Mount._from_local_file(Path(args[0]), PurePosixPath(args[1]))
+        files |= {str(remote) for entry in mount.entries for _local, remote in entry.get_files_to_upload()}
+    return files
+
+
+def test_the_image_ships_the_dashboard_files_and_the_run_config_alone(monkeypatch, tmp_path):
+    """The mount of the code, as the SDK builds it, holds control_plane/static (GET / serves it; before,
+    add_local_python_source's default shipped .py files only and the dashboard answered 500), and the
+    run config ships as one file: before, its whole folder did (at the repository root: runs/ and .venv)."""
+    calls = []
+    for method in ("add_local_python_source", "add_local_dir", "add_local_file"):
+        real = getattr(modal.Image, method)
+
+        def add_local_recorder_mock(self, *args, _real=real, _method=method, **kw):
+            calls.append((_method, args, kw))
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(modal.Image, method, add_local_recorder_mock)
+    module, _ = load_app(monkeypatch, tmp_path, None)
+    files = _mounted_files(calls)
+    from control_plane.dashboard import FILES
+
+    assert {f"/root/control_plane/static/{name}" for name in FILES} | {"/root/control_plane/static/dashboard.html"} <= files
+    shipped_configs = {f for f in files if not f.startswith("/root/")}
+    assert shipped_configs == {"/examples/arith/run.toml"}
+    assert not [f for f in files if "__pycache__" in f or "/wheelhouse/" in f or f.endswith(".pyc")]
+
+
+def test_endpoint_labels_are_dns_labels():
+    """The labels come from the app name, by default ``tandem-<run config name>``; a run name may hold
+    capitals, '_' and '.', which a host name may not (before: deployed as given)."""
+    from modal._utils.name_utils import is_valid_subdomain_label
+
+    for name in ("tandem-arith", "tandem-qwen3-8b-base-lora", "Tandem", "tandem_x", "tandem.x", "tandem--x",
+                 "tandem-", "9tandem", "t" * 41):
+        ok = all(LABEL.match(f"{name}-{role}") for role in ("control", "reward", "rollout")) and len(name) <= 40
+        assert ok == (is_valid_subdomain_label(f"{name}-control") and "--" not in f"{name}-control"
+                      and len(name) <= 40 and name[0].isalpha()), name
+        if not ok:
+            with pytest.raises(ValueError, match="modal.app_name"):
+                ModalDeploy(app_name=name)
+    assert app_name(ModalDeploy(), "arith") == "tandem-arith"
+    with pytest.raises(ValueError, match=r"modal.app_name \(unset: from the run config's name 'My_Run'\)"):
+        app_name(ModalDeploy(), "My_Run")
+    assert app_name(ModalDeploy(app_name="my-run"), "My_Run") == "my-run"
 
 
 def test_the_deploy_section_is_checked_at_load_time(tmp_path):
@@ -202,6 +292,9 @@ def test_the_deploy_section_is_checked_at_load_time(tmp_path):
         "[modal.rollout]\ngpu = \"H100:8\"\nnodes = 2": "only the learner",
         "[modal.reward]\nmin_containers = 3\nmax_containers = 2": "below min_containers",
         "[modal.control]\nscaledown_window_s = 1": "scaledown_window_s",
+        "[modal.control]\nretries = 2": "only the learner",
+        "[modal.rollout]\nmax_containers = 0": "max_containers",
+        "[modal]\napp_name = \"My_App\"": "modal.app_name",
         "[modal.rollout]\ngpu = \"H100:x\"": "TYPE:COUNT",
         "[modal]\ngpus = 1": "gpus",
     }
@@ -222,7 +315,7 @@ def test_image_pins_match_pyproject():
 
 # --- every entrypoint runs only what `tandem serve` runs -------------------------------------
 
-ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_settings"]
+ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_settings", "_spawn_learner"]
 SERVICE_MODULES = {"control_plane", "reward_server", "rollout_server", "learner"}
 """The packages whose ``build_app`` / ``serve`` ``tandem serve`` calls (deploy.cli.SERVICE_PACKAGES)."""
 GLUE = {
@@ -230,7 +323,11 @@ GLUE = {
     "launch.serve_argv", "launch.torchrun_argv", "launch.start", "launch.run",
     # where the other containers are: this container's rank, rank 0's address, the reward URL
     "modal.Cluster.from_context", "cluster.container_rank", "cluster.container_ips",
-    "reward.get_web_url", "os.environ.get",
+    "reward.get_web_url", "os.environ.get", "os.environ.setdefault",
+    # a learner call per run: its rendezvous port and its lease holder's id (the call's)
+    "free_port", "modal.current_function_call_id", "os.getpid",
+    # the control plane's start_learner: Modal's spawn, its error as the control plane's, a log line
+    "learner.spawn.aio", "LearnerStartError", "log.info",
 }
 """Calls named in full (``uvicorn.run`` is not ``launch.run``)."""
 HELPERS = {"_settings", "_rollout_env", "cls", "gpu_count"}
@@ -240,7 +337,7 @@ HELPERS = {"_settings", "_rollout_env", "cls", "gpu_count"}
 def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     out = {}
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             out[node.name] = node
         elif isinstance(node, ast.ClassDef):
             out |= {f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)}
@@ -292,10 +389,12 @@ def test_entrypoints_call_only_what_tandem_serve_calls():
         for node in ast.walk(functions[name]):
             assert not isinstance(node, ast.Import), f"{name}: import only service entries (from X import Y)"
             if isinstance(node, ast.ImportFrom):
-                assert node.module in SERVICE_MODULES | {"services.settings", "deploy.cli",
-                                                         "reward_server.settings"}, (name, node.module)
+                assert node.module in SERVICE_MODULES | {"services.settings", "deploy.cli", "reward_server.settings",
+                                                         "control_plane.app"}, (name, node.module)
                 if node.module in SERVICE_MODULES:
                     assert [a.name for a in node.names] == ["build_app"], (name, node.module)
+                if node.module == "control_plane.app":
+                    assert [a.name for a in node.names] == ["LearnerStartError"], (name, node.module)
 
 
 def test_the_allow_list_refuses_a_call_outside_the_serve_path():
@@ -372,6 +471,12 @@ def test_tandem_deploy_modal_runs_modal_deploy_on_the_app_with_the_run_config(tm
     config = ROOT / "examples/arith/run.toml"  # the app ships the config's folder: it lives in the repository
     out = CliRunner().invoke(cli, ["deploy", "modal", "--config", str(config), "--dry-run"])
     assert out.exit_code == 0, out.output
+    plan = out.output.strip().splitlines()[:-1]  # the plan, role by role, then the command
+    from deploy.config import describe
+
+    assert plan == describe(ModalDeploy(), "arith")
+    for role in ("control:", "reward:", "rollout:", "learner:", "secret tandem ", "secret tandem-reward "):
+        assert any(line.strip().startswith(role) for line in plan), (role, plan)
     words = shlex.split(out.output.strip().splitlines()[-1])
     env = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
     assert env == {"DEPLOY_RUN_CONFIG": str(config)}
