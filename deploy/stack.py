@@ -48,6 +48,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -75,7 +76,8 @@ from services.settings import StackSettings
 
 SERVICES = ("reward", "control", "rollout", "learner")
 # Set per service by the stack; a value in the caller's environment would be wrong for all but one.
-_STACK_DECIDES = {"TANDEM_PORT", "TANDEM_HOST", "TANDEM_RUN_ID", "TANDEM_SERVER_ID", "TANDEM_TOKENS"}
+_STACK_DECIDES = {"TANDEM_PORT", "TANDEM_HOST", "TANDEM_RUN_ID", "TANDEM_SERVER_ID", "TANDEM_TOKENS",
+                  "TANDEM_LEARNER_HOLDER"}
 # The service that runs untrusted code (in sandboxes): it uses no Redis, so it gets no REDIS_URL
 # (nor the Redis password), and it keeps the caller's umask (its sandboxes hand files to other uids).
 _RUNS_SANDBOXES = {"reward"}
@@ -188,6 +190,10 @@ class Stack:
             "REDIS_URL": self.redis_url,
             "TANDEM_RUN_DIR": str(self.run_dir),
             "PYTHONUNBUFFERED": "1",
+            # the stack's learner, whichever process it is: one restarted after a crash takes over its
+            # predecessor's run lease at once instead of waiting for it to expire (broker.lease); no
+            # other stack has this id (each holds its run directory's lock)
+            "TANDEM_LEARNER_HOLDER": f"{socket.gethostname()}:stack:{self.run_dir}",
         })
         if "reward" in ports:
             env["TANDEM_ROLLOUT_REWARD_URL"] = f"http://127.0.0.1:{ports['reward']}"

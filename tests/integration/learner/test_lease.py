@@ -49,3 +49,38 @@ async def test_a_second_standing_learner_leaves_a_leased_run_alone(
     trained = read_jsonl(tmp_path / "runs" / "leased" / "learner" / "trained.jsonl")
     assert [t["step"] for t in trained] == [1, 2, 3] and {t["pid"] for t in trained} == {first.proc.pid}
     assert await Lease(control_redis, keys.learner_lease, "observer", 1).current() is None  # released
+
+
+async def test_a_learner_restarted_under_its_holder_id_takes_its_lease_over_at_once(
+        control_db_url, control_redis, tiny_model, tmp_path, learner_proc, monkeypatch):
+    """`tandem up` restarts a crashed learner under the same holder id (the stack's), as Modal retries a
+    call under the call's id: the new process must not wait out the dead one's lease (300 s here)."""
+    from broker import Keys, Lease
+    from deploy.stack import Stack
+    from services.runs import RunStore
+
+    env = Stack(tmp_path / "stack")._env({})
+    assert env["TANDEM_LEARNER_HOLDER"] == Stack(tmp_path / "stack")._env({})["TANDEM_LEARNER_HOLDER"]
+    assert str(tmp_path / "stack") in env["TANDEM_LEARNER_HOLDER"]  # one id per stack, whichever process
+    monkeypatch.setenv("TANDEM_LEARNER_HOLDER", env["TANDEM_LEARNER_HOLDER"])
+    monkeypatch.setenv("TANDEM_LEARNER_LEASE_S", "300")
+    store = RunStore(control_redis)
+    path = write_run_config(tmp_path / "run.toml", tiny_model, {"learner": {"steps": 3, "checkpoint_every": 1}})
+    await store.create("restarted", "ps-x", tomllib.loads(path.read_text()))
+    keys = Keys("restarted")
+    stop = asyncio.Event()
+    producer = asyncio.create_task(_produce(control_redis, keys, stop, backlog=2, limit=2))
+    try:
+        first = learner_proc(path, None, url=control_db_url)
+        await _wait(first, lambda s: s["run_id"] == "restarted" and s["step"] >= 1, 300, "step 1")
+        first.kill9()
+        assert await Lease(control_redis, keys.learner_lease, "observer", 1).current() == env["TANDEM_LEARNER_HOLDER"]
+        await producer
+        producer = asyncio.create_task(_produce(control_redis, keys, stop, backlog=2))
+        t0 = asyncio.get_running_loop().time()
+        second = learner_proc(path, None, url=control_db_url)
+        await _wait_run(store, "restarted", lambda r: r.state == "finished", 200, "the run to finish")
+        assert asyncio.get_running_loop().time() - t0 < 200 and second.proc.poll() is None
+    finally:
+        stop.set()
+        await producer
