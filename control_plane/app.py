@@ -153,7 +153,7 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
         raise ServiceError(404, f"no prompt set {body.prompt_set_id}")
     chat = await asyncio.to_thread(chat_template_in, config.model.path)
     if chat is None:
-        log.info("cannot tell whether %s has a chat template (no tokenizer files there on this machine): "
+        log.info("cannot tell whether %s has a chat template (no tokenizer or model files in it yet): "
                  "messages are accepted, and a rollout server refuses them if it has none", config.model.path)
     held_out = await _eval_prompts(state, body.eval_prompt_set_id, config, chat)
     lines = await state.prompt_sets.lines(body.prompt_set_id)

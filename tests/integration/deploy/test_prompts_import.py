@@ -149,7 +149,8 @@ async def test_list_show_submit_runs_stop_and_delete_from_the_command_line(serve
         assert code == 0 and set_id in out and "exact 3" in out and "prompt 3" in out, (out, err)
 
         config = files / "run.toml"
-        config.write_text('name = "imported"\n[model]\npath = "/nowhere/model"\nmax_model_len = 64\n'
+        (files / "model").mkdir()  # a folder the control plane sees (it refuses a model.path it cannot)
+        config.write_text('name = "imported"\n[model]\npath = "model"\nmax_model_len = 64\n'
                           '[data]\ntrain = "unused.jsonl"\n[sampling]\nmax_tokens = 16\n')
         code, out, err = await tandem("submit", "--prompt-set", set_id, "--config", str(config), "--url", url)
         assert code == 0 and f"prompt set {set_id}: 3 prompts" in err, err
