@@ -25,20 +25,21 @@ empty think block): ``<bos><|system|>S\n<|user|>U\n<|assistant|>``. Every charac
 :data:`DEFAULT_ALPHABET`, so a rendered chat is one token per character (``<bos>`` one token)."""
 
 
-def char_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None):
+def char_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None, extra: str = ""):
     """A ``PreTrainedTokenizerFast`` with one token per character of ``alphabet``.
 
-    Ids 0-2 are ``<pad>``, ``<bos>``, ``<eos>``. Unknown characters are
-    dropped rather than mapped to an unknown token. No chat template unless
-    ``chat_template`` is given (e.g. :data:`CHAT_TEMPLATE`): prompts are plain text.
+    Ids 0-2 are ``<pad>``, ``<bos>``, ``<eos>``, then the alphabet's characters in sorted order,
+    then those of ``extra`` that are new, in the order given: a model's vocabulary grown by
+    ``extra`` keeps every id it had (``examples.chat_arith.bootstrap``). Unknown characters are
+    dropped rather than mapped to an unknown token. No chat template unless ``chat_template`` is
+    given (e.g. :data:`CHAT_TEMPLATE`): prompts are plain text.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = sorted(set(alphabet))
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for c in chars:
-        vocab[c] = len(vocab)
+    for c in [*sorted(set(alphabet)), *extra]:
+        vocab.setdefault(c, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()

