@@ -15,7 +15,10 @@ model and measures held-out accuracy through the services. Then:
   held-out evaluations the rollout server made during it (``eval.every``;
   version 0 is the base model again, not A's weights), every trained group
   against the staleness bound, both runs' ledgers through the audit, and
-  held-out accuracy after it.
+  held-out accuracy after it. Run B also goes to TensorBoard through the
+  control plane ([logging] trackers) and keeps its best-scored version beyond
+  the rolling window (publish.keep_best), which ``tandem export --version
+  best`` writes after the stack has stopped.
 
 Then it SIGTERMs the supervisor and checks that no process it started is left.
 """
@@ -137,7 +140,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     cfg_path = write_config(tmp_path, arith_model, STEPS, faults=False)
+    # run B logs to TensorBoard and keeps its best-scored version (docs/trackers.md, docs/export.md)
+    cfg_path.write_text(cfg_path.read_text().replace("\nkeep = 3", "\nkeep = 3\nkeep_best = 1")
+                        + '\n[logging]\ntrackers = ["tensorboard"]\n')
     config = load_run_config(cfg_path)
+    assert (config.publish.keep_best, config.logging.trackers) == (1, ["tensorboard"])
     stack_dir = tmp_path / "stack"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     up = subprocess.Popen(
@@ -238,3 +245,24 @@ def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     assert not [p for pgid in pids for p in group_members(pgid)], "a process of a service's group outlived tandem up"
     # 200 held-out prompts (one is 0.5 points): a 5-point margin is not rounding luck
     assert after >= before + 0.05, f"held-out accuracy did not rise: {before:.3f} -> {after:.3f}"
+
+    # run B in TensorBoard: the control plane followed it, every step once, every evaluation
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(stack_dir / run_id / "trackers" / "tensorboard" / run_id), {"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    logged = {e.step: e.value for e in events.Scalars("eval/accuracy")}
+    assert set(steps) <= set(logged)
+    # the best-scored version outlived the rolling window and `tandem export --version best` writes it
+    retention = json.loads((stack_dir / run_id / "weights" / "retention.json").read_text())
+    scores = {int(v): s for v, s in retention["scores"].items()}
+    assert all(logged[v] == pytest.approx(s) for v, s in scores.items())
+    kept = sorted(int(p.name[1:]) for p in (stack_dir / run_id / "weights").glob("v*"))
+    best = max((v for v in scores if v in kept), key=lambda v: (scores[v], v))
+    assert retention["best"] == [best] and kept[-3:] == [STEPS - 2, STEPS - 1, STEPS]
+    exported = subprocess.run([sys.executable, "-m", "deploy.cli", "export", run_id, str(tmp_path / "best"),
+                               "--version", "best", "--stack-dir", str(stack_dir), "--runs", str(tmp_path / "none")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((tmp_path / "best" / "tandem-export.json").read_text())["version"] == best
