@@ -30,6 +30,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated
 
@@ -41,6 +42,7 @@ from broker import Admission, Keys, Stream, WeightRegistry, connect
 from broker.embedded import EmbeddedRedis
 from control_plane.dashboard import router as dashboard_router
 from control_plane.groups import build_groups, enqueue
+from control_plane.model_path import ModelNotVisible, deployed_model
 from control_plane.prompt_sets import PromptSetStore
 from control_plane.reward_functions import FunctionCheck, spec_functions
 from control_plane.trackers import TrackerHub
@@ -149,6 +151,11 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     if raw is None:
         raise ServiceError(422, "config: field required (this control plane has no default run config)")
     config = parse_run_config(raw, "config")
+    try:  # the model as the rollout servers and the learner will read it (control_plane.model_path)
+        config = await asyncio.to_thread(deployed_model, config, body.client_run_dir, state.settings.run_dir,
+                                         state.settings.run_dir_volume)
+    except ModelNotVisible as e:
+        raise ServiceError(422, str(e)) from None
     if await state.prompt_sets.info(body.prompt_set_id) is None:
         raise ServiceError(404, f"no prompt set {body.prompt_set_id}")
     chat = await asyncio.to_thread(chat_template_in, config.model.path)
@@ -180,7 +187,17 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     except RedisError as e:
         await state.runs.set_state(run_id, "failed", error=f"enqueue failed: {e}")
         raise ServiceError(503, f"could not enqueue the run's prompt groups: {e}", retry_after=5) from None
+    if state.start_learner is not None:  # Modal: a learner job per run (deploy.modal_app)
+        try:
+            await state.start_learner(run_id)
+        except LearnerStartError as e:
+            await state.runs.set_state(run_id, "failed", error=f"could not start its learner: {e}")
+            raise ServiceError(503, f"could not start the run's learner: {e}", retry_after=30) from None
     return RunCreated(run_id=run_id, groups=count)
+
+
+class LearnerStartError(RuntimeError):
+    """``start_learner`` could not start the run's learner (the run is then failed, and the request 503)."""
 
 
 async def _check_functions(state, specs: list[tuple[int, RewardSpec]], what: str) -> None:
@@ -306,11 +323,15 @@ def _errors(app: FastAPI) -> None:
                             headers={"Retry-After": str(REDIS_RETRY_AFTER_S)})
 
 
-def build_app(settings: ControlSettings, config: RunConfig | None = None) -> FastAPI:
+def build_app(settings: ControlSettings, config: RunConfig | None = None, *,
+              start_learner: Callable[[str], Awaitable[None]] | None = None) -> FastAPI:
     """The control plane. Uses ``settings.redis_url``, else an embedded Redis in ``run_dir/redis``.
 
     ``config`` (``tandem serve control --config``) is the run config used
-    when ``POST /v1/runs`` omits one.
+    when ``POST /v1/runs`` omits one. ``start_learner(run_id)``, when given, is awaited for each
+    run once it is enqueued, and starts the run's learner (Modal spawns a learner job per run;
+    ``tandem up`` and docker-compose keep a standing learner and pass none); it raises
+    :class:`LearnerStartError` when it cannot.
     """
 
     @asynccontextmanager
@@ -349,6 +370,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None) -> Fas
         session_max_age_s=settings.session_max_age_s,
     )
     app.state.default_config = config.model_dump(mode="json") if config is not None else None
+    app.state.start_learner = start_learner
     _errors(app)
     app.include_router(router)
     app.include_router(dashboard_router)

@@ -354,33 +354,6 @@ class RolloutEngine:
             return self.render(messages, chat_template_kwargs)
         return prompt, self.tokenize(prompt)
 
-    def render(self, messages: list[Message], chat_template_kwargs: dict) -> tuple[str, list[int]]:
-        """(text, token ids) of chat ``messages`` as the model's own chat template renders them, the
-        assistant's turn opened (``add_generation_prompt``), ``chat_template_kwargs`` passed to the template.
-
-        The template writes whatever special tokens it wants (a BOS, say), so encoding adds none: what
-        vLLM's chat endpoint does too. Raises :class:`InvalidRequest` naming ``messages`` when the
-        tokenizer has no chat template or the template refuses the messages (its ``raise_exception``)."""
-        import jinja2
-
-        tok = self._tokenizer
-        if getattr(tok, "chat_template", None) is None:
-            raise InvalidRequest("messages", f"the model's tokenizer ({self.model_dir}) has no chat template; "
-                                             "send a prompt instead")
-        try:
-            text = tok.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
-                                           add_generation_prompt=True, **chat_template_kwargs)
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            raise InvalidRequest("messages", f"the chat template refused these messages: {e}") from e
-        return text, list(tok.encode(text, add_special_tokens=False))
-
-    def prompt_ids(self, prompt: str | None, messages: list[Message] | None,
-                   chat_template_kwargs: dict) -> tuple[str, list[int]]:
-        """(text, token ids) of a prompt text (:meth:`tokenize`) or of chat messages (:meth:`render`)."""
-        if messages is not None:
-            return self.render(messages, chat_template_kwargs)
-        return prompt, self.tokenize(prompt)
-
     def check(self, prompt_token_ids: list[int], sampling: Sampling, *, prompt_field: str) -> None:
         """Raise :class:`InvalidRequest` naming the field when the engine cannot serve this."""
         if not prompt_token_ids:
