@@ -70,6 +70,8 @@ def _owned_by_pid(pid: int) -> list[int]:
 def test_tandem_run_writes_summary_and_report_and_survives_learner_kills_in_its_windows(tmp_path, arith_model):
     config_path = short_run_config(tmp_path, arith_model, steps=STEPS, checkpoint_every=CHECKPOINT_EVERY,
                                    eval_prompts=EVAL_PROMPTS)
+    with open(config_path, "a") as f:  # the control plane logs the run to TensorBoard (docs/trackers.md)
+        f.write('\n[logging]\ntrackers = ["tensorboard"]\n')
     config = load_run_config(config_path)
     runs = tmp_path / "runs"
     t0 = time.monotonic()
@@ -114,8 +116,32 @@ def test_tandem_run_writes_summary_and_report_and_survives_learner_kills_in_its_
     report = run_dir / "report"
     assert sorted(p.name for p in report.iterdir()) == sorted(f"{c}.png" for c in CHARTS)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.iterdir())
+    # TensorBoard: every step the learner reported (a step whose report a kill prevented, here step 9 after
+    # its checkpoint, is in neither trained.jsonl nor the metrics) and every held-out evaluation, the final
+    # one too (it came after the learner finished: the trackers stayed open until the stack stopped)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(learner_files / "trackers" / "tensorboard" / run_dir.name), {"scalars": 0})
+    events.Reload()
+    reported = {json.loads(x)["step"] for x in (learner_files / "learner" / "trained.jsonl").read_text().splitlines()}
+    assert {e.step for e in events.Scalars("train/loss")} == reported and len(reported) >= STEPS - 1
+    assert sorted(e.step for e in events.Scalars("eval/accuracy")) == sorted(evals)
+    assert (learner_files / "trackers" / f"{run_dir.name}.closed").read_text().strip() == "finished"
+    # the best kept version (the final one: version 0 is the base model, never on disk) as a Hugging Face folder
+    out = tmp_path / "exported"
+    exported = subprocess.run([sys.executable, "-m", "deploy.cli", "export", str(run_dir), str(out), "--version",
+                               "best"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((out / "tandem-export.json").read_text())["version"] == summary["final_version"]
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out).config.vocab_size == config_vocab(arith_model)
     print(f"tandem run of {STEPS} steps with {len(CRASHES)} learner kills: {wall:.0f} s; "
           f"accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}")
+
+
+def config_vocab(model: Path) -> int:
+    return json.loads((model / "config.json").read_text())["vocab_size"]
 
 
 def test_a_bad_config_fails_naming_the_field_before_anything_starts(tmp_path):
