@@ -33,13 +33,17 @@ starts included. The dense class uses the session's vLLM engine
 (``tests/fixtures/rollout.py``; its start, ~22 s here, is shared with the other
 rollout tests); the MoE and OLMo-3 classes each start their own engine, and
 each class runs one learner process (DeepSpeed start plus one step): ~10 s for
-the dense call, ~28 s for each of the other two.
+the dense call, ~28 s for each of the other two. Where a test starts an engine,
+its learner process runs while the engine starts; the MoE model's one-rank and
+two-rank ZeRO-3 runs run at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -87,16 +91,17 @@ def hf_logprobs(model: Path, weights: Path | None, ids: list[int], start: int) -
     return [lp[i - 1, ids[i]].item() for i in range(start, len(ids))]
 
 
-async def train_publish_serve(engine, model: Path, name: str, version: int, tmp_path: Path) -> Path:
-    """The chain of the module docstring for one model on a running vLLM ``engine`` of it;
-    returns the published version's directory."""
+async def train_publish_serve(engine, model: Path, name: str, version: int, tmp_path: Path,
+                              step: tuple[dict, Path] | None = None) -> Path:
+    """The chain of the module docstring for one model on a running vLLM ``engine`` of it (``step``:
+    the learner's step when it was taken already); returns the published version's directory."""
     from safetensors.torch import load_file
 
     from rollout_server.engine import Sampling
     from services.weightstore import write_version
     from services.wire import LoadWeights
 
-    report, weights = learner_step(model, name, tmp_path / "learner")
+    report, weights = step or await asyncio.to_thread(learner_step, model, name, tmp_path / "learner")
     written = write_version(tmp_path / "weights", version, load_file(weights), step=1)
     probe = report["probe"]
     published = hf_logprobs(model, written.path, probe, 1)
@@ -149,11 +154,17 @@ async def test_other_class_trains_and_serves(kind, tmp_path):
     from tests.fixtures.rollout import MAX_MODEL_LEN, tiny_arch
 
     model = tiny_arch(kind, tmp_path / kind)
+    # the learner's step (a process of its own) runs while the engine starts
+    step = asyncio.create_task(asyncio.to_thread(learner_step, model, kind, tmp_path / "learner"))
     settings = RolloutSettings(kv_cache_gib=0.25, enforce_eager=True, seed=0)
-    engine = await RolloutEngine.start(model, settings, metrics=RolloutMetrics(CollectorRegistry()),
-                                max_model_len=MAX_MODEL_LEN, dtype="float32")
     try:
-        await train_publish_serve(engine, model, kind, 1, tmp_path)
+        engine = await RolloutEngine.start(model, settings, metrics=RolloutMetrics(CollectorRegistry()),
+                                           max_model_len=MAX_MODEL_LEN, dtype="float32")
+    except BaseException:
+        await asyncio.gather(step, return_exceptions=True)
+        raise
+    try:
+        await train_publish_serve(engine, model, kind, 1, tmp_path, step=await step)
     finally:
         engine.shutdown()
 
@@ -169,8 +180,10 @@ def test_moe_experts_shard_over_two_zero3_ranks(tmp_path):
 
     model = tiny_arch("qwen3_moe", tmp_path / "moe")
     plan = [{"name": "moe3", "stage": 3, "steps": 2, "overrides": {"learner": {"lr": 1e-2}}}]
-    one = run_selfcheck(model, [dict(p) for p in plan], tmp_path / "one")["moe3"]
-    two = run_selfcheck(model, [dict(p) for p in plan], tmp_path / "two", nproc=2, timeout_s=300)["moe3"]
+    with ThreadPoolExecutor(2) as both:  # one rank and two ranks at once: the one-rank run uses one core
+        one_run = both.submit(run_selfcheck, model, [dict(p) for p in plan], tmp_path / "one")
+        two_run = both.submit(run_selfcheck, model, [dict(p) for p in plan], tmp_path / "two", nproc=2, timeout_s=300)
+        one, two = one_run.result()["moe3"], two_run.result()["moe3"]
     s1, s2 = (json.loads(p.with_name(p.name + ".json").read_text()) for p in (one, two))
     assert s2["world"] == 2
     assert [x["grad_norm"] for x in s2["stats"]] == pytest.approx([x["grad_norm"] for x in s1["stats"]], rel=1e-4)
