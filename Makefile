@@ -16,6 +16,8 @@ EXTRAS := cpu,learner,reward,report,modal,data
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
 # The markers say what a test starts: tests/conftest.py gives vllm and deepspeed to every test that uses the
 # engine or learner fixtures, and a test that starts one itself carries the marker (pyproject.toml lists them).
+# They mostly wait (on processes starting, sandboxes, sockets), so two pytest-xdist workers run them, a test
+# file to a worker; make test stays one process.
 FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not stack
 
 .PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation
@@ -29,7 +31,7 @@ test: $(STAMPS)/dev
 
 test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra -m "$(FAST_MARKERS)"
+	$(PY) -m pytest -q -ra -n 2 --dist loadfile -m "$(FAST_MARKERS)"
 
 # make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the reliability
 # table of docs/reliability.md and writes bench/results/chaos.json (how long it takes: docs/testing.md).
