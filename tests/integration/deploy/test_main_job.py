@@ -75,8 +75,9 @@ def test_tandem_run_writes_summary_and_report_and_survives_learner_kills_in_its_
     config = load_run_config(config_path)
     runs = tmp_path / "runs"
     t0 = time.monotonic()
-    done = _tandem_run(config_path, runs, _env(_TANDEM_CRASH_AT=",".join(CRASHES), TANDEM_STACK_MAX_RESTARTS="5"),
-                       timeout_s=1100)
+    # back-off 0.5 s, 1 s, 2 s before the three restarts (the default's 2, 4, 8 s would only be waited out)
+    done = _tandem_run(config_path, runs, _env(_TANDEM_CRASH_AT=",".join(CRASHES), TANDEM_STACK_MAX_RESTARTS="5",
+                                               TANDEM_STACK_RESTART_BACKOFF_S="0.5"), timeout_s=1100)
     wall = time.monotonic() - t0
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(done.stdout.strip().splitlines()[-1])
