@@ -13,7 +13,9 @@ reward server's ``PYTHONPATH`` and allowed by ``TANDEM_REWARD_FUNCTIONS``, impor
   stopped) by more than :data:`MEAN_MARGIN` and :data:`PASS_MARGIN`;
 - the export loads with transformers (model and tokenizer, with the chat template) and, rendering
   held-out conversations with that template and decoding greedily, answers more than
-  :data:`GREEDY_MARGIN` more of them than the chat policy it started from;
+  :data:`GREEDY_MARGIN` more of them than the chat policy it started from. This check knows the
+  sums itself: the run's own figures are scored by the reward function under test, and with one
+  broken to pay for the answer ten short they rose too (docs/tutorial.md, "The test");
 - nothing the stack started is left running.
 """
 
@@ -35,9 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "chat_arith"
 MEAN_MARGIN, PASS_MARGIN, GREEDY_MARGIN = 0.15, 0.10, 0.30
 """Least rises: held-out mean@4 and pass@4 from version 0 to the last evaluated version, and greedy
-accuracy from the chat policy to the export. Two runs of the walk-through rose by 0.266-0.300,
-0.210-0.230 and 0.560-0.565 (docs/tutorial.md, "The measurements")."""
+accuracy from the chat policy to the export. Three runs of the walk-through rose by 0.266-0.300,
+0.210-0.230 and 0.550-0.565 (docs/tutorial.md, "The measurements")."""
 TIMEOUT_S = 900
+"""The walk-through took 198-427 s on 2 cores at load 7-20 (docs/tutorial.md)."""
 
 
 def _alive(pid: int) -> bool:
@@ -57,6 +60,7 @@ def _scalars(events_dir: Path) -> dict[str, dict[int, float]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S + 600)  # and the session's arith model, if this test is the first to need it
 def test_the_chat_walkthrough_learns_logs_and_exports(tmp_path, arith_model):
     from examples.chat_arith.bootstrap import greedy_accuracy
     from services.config import load_run_config
@@ -72,19 +76,23 @@ def test_the_chat_walkthrough_learns_logs_and_exports(tmp_path, arith_model):
     t0 = time.monotonic()
     script = subprocess.Popen([str(EXAMPLE / "walkthrough.sh")], cwd=tmp_path, env=env, stdout=open(log, "wb"),
                               stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    code = None
     try:
         code = script.wait(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         if script.poll() is None:
-            os.killpg(script.pid, signal.SIGTERM)  # the script's trap stops tandem up
+            os.killpg(script.pid, signal.SIGTERM)  # tandem up too (its process group); the script's trap waits
             try:
                 script.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(script.pid, signal.SIGKILL)
                 script.wait()
-    output = log.read_text()
+    output = log.read_text(errors="replace")
     print(output[-4000:], f"\nwalkthrough: {time.monotonic() - t0:.0f} s")
-    assert code == 0, output[-4000:]
+    ended = f"ran past {TIMEOUT_S} s" if code is None else f"exited {code}"
+    assert code == 0, f"the walk-through {ended}:\n{output[-4000:]}"
 
     info = json.loads((tmp_path / "runs/stack/stack.json").read_text())
     assert not [p for p in info["pids"] if _alive(p)], "a service outlived the walkthrough"
