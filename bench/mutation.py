@@ -52,7 +52,7 @@ RESULTS = ROOT / "bench" / "results" / "mutation.json"
 
 TESTS = {
     "broker/admission.py": ["tests/integration/broker/test_admission.py"],
-    "broker/streams.py": ["tests/integration/broker/test_streams.py"],
+    "broker/streams.py": ["tests/integration/broker/test_streams.py", "tests/integration/broker/test_admission.py"],
     "learner/loss.py": ["tests/unit/learner/test_loss.py"],
     "learner/feeder.py": ["tests/integration/learner/test_feeder.py"],
     "learner/advantages.py": ["tests/unit/learner/test_advantages.py", "tests/unit/learner/test_batch.py"],
