@@ -1,10 +1,12 @@
 """The memory planner's learner figures against peak memory measured on CPU.
 
-    .venv/bin/python bench/plan_cpu.py [--out bench/results/cpu-plan.json] [--sizes 5m,25m] [--stages 0,2,3]
+    .venv/bin/python bench/plan_cpu.py [--out bench/results/cpu-plan.json] [--sizes 5m,25m,wide] [--stages 0,2,3]
 
-For two random Qwen3-architecture models (about 5M and 25M parameters, built
-in code by ``examples.tiny``), DeepSpeed ZeRO stages 0, 2 and 3 and activation
-checkpointing off and on (12 configurations), each in a fresh child process
+For three random Qwen3-architecture models (about 5M and 25M parameters with
+the 99-token character vocabulary of ``examples.tiny``, and "wide": 35M
+parameters, most of them a 65,536-token embedding and head, where one chunk
+of logits is a third of the peak), DeepSpeed ZeRO stages 0, 2 and 3 and
+activation checkpointing off and on (18 configurations), each in a fresh child process
 (one rank, ``DS_ACCELERATOR=cpu``, gloo) so that no peak carries over: the
 learner's own ``learner.engine.LearnerEngine`` (the code path ``bench/gpu.py``
 times) in its default precision, fp32, runs ``STEPS`` real GRPO optimizer
@@ -13,7 +15,9 @@ steps on synthetic groups (``bench.gpu.synthetic_groups`` through
 ``deploy.plan`` figure for the same shape (``dtype_bytes=4``),
 ``Plan.learner``: weights + gradients + optimizer + the larger of the
 activations and the optimizer step's transients, one micro-batch of ``GROUP_SIZE``
-sequences of ``SEQ_LEN`` tokens. Two steps, because Adam's moments appear at
+sequences of ``SEQ_LEN`` tokens, packed (the learner's default,
+``learner.packing``) into one row, its log-probs computed ``LOGIT_CHUNK``
+tokens at a time (``learner.logit_chunk_tokens``). Two steps, because Adam's moments appear at
 the first step: the second backward is the first to hold them beside the
 activations.
 
@@ -73,19 +77,30 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = {  # hidden, layers, heads, kv heads, head dim, MLP
     "5m": dict(hidden=256, layers=6, heads=4, kv_heads=2, head_dim=64, intermediate=768),
     "25m": dict(hidden=512, layers=8, heads=8, kv_heads=4, head_dim=64, intermediate=1536),
+    "wide": dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768),
 }
+WIDE_VOCAB = 65536
+"""The "wide" model's vocabulary (the others have the character tokenizer's)."""
 GROUP_SIZE, PROMPT_LEN, SEQ_LEN, STEPS = 4, 32, 256, 2
 """One group of G sequences (prompt + completion = SEQ_LEN tokens) per step: one micro-batch of G x SEQ_LEN."""
+LOGIT_CHUNK = 256
+"""``learner.logit_chunk_tokens`` here: a quarter of the micro-batch's completion tokens per chunk."""
 MB = 1e6
 STEP_MARK = "tandem.optimizer_step"
 
 
-def predict(row: dict) -> float:
-    """The planner's learner figure, in MB, for a measured ``row`` (model shape, stage, checkpointing)."""
+def planned(row: dict):
+    """The planner's ``deploy.plan.Plan`` for a measured ``row`` (model shape, batch, stage, checkpointing)."""
     batch = row["batch"]
-    p = plan(preset_of(row), "full", "1xH200", group_size=batch["group_size"], max_tokens=batch["seq_len"],
-             zero_stage=row["zero_stage"], checkpointing=row["checkpointing"], dtype_bytes=row["dtype_bytes"])
-    return p.learner * 1e9 / MB
+    return plan(preset_of(row), "full", "1xH200", group_size=batch["group_size"], max_tokens=batch["seq_len"],
+                micro_batch_tokens=batch["group_size"] * batch["seq_len"],
+                logit_chunk_tokens=batch["logit_chunk_tokens"], zero_stage=row["zero_stage"],
+                checkpointing=row["checkpointing"], dtype_bytes=row["dtype_bytes"])
+
+
+def predict(row: dict) -> float:
+    """The planner's learner figure, in MB, for a measured ``row``."""
+    return planned(row).learner * 1e9 / MB
 
 
 def peaks(events: list[tuple[int, int]], bucket: int, steps: list[tuple[int, int]] = ()) -> dict:
@@ -132,7 +147,8 @@ def measure_here(model: Path, zero_stage: int, checkpointing: bool) -> dict:
         "data": {"train": "unused.jsonl"},
         "sampling": {"group_size": GROUP_SIZE, "max_tokens": SEQ_LEN - PROMPT_LEN},
         "learner": {"zero_stage": zero_stage, "precision": "fp32", "lr": 1e-5,
-                    "micro_batch_tokens": GROUP_SIZE * SEQ_LEN, "gradient_checkpointing": checkpointing},
+                    "micro_batch_tokens": GROUP_SIZE * SEQ_LEN, "gradient_checkpointing": checkpointing,
+                    "packing": True, "logit_chunk_tokens": LOGIT_CHUNK},
         "loss": {"beta": 0.0},
     })
     rss_before = _vm("VmRSS")
@@ -150,7 +166,7 @@ def measure_here(model: Path, zero_stage: int, checkpointing: bool) -> dict:
             groups = synthetic_groups(engine.vocab_size, 1, GROUP_SIZE, PROMPT_LEN, SEQ_LEN - PROMPT_LEN, seed=step)
             stats = engine.train_step(build_batch(groups, cfg.loss, cfg.sampling.max_tokens))
     seconds = time.perf_counter() - started
-    assert stats["micro_batches"] == 1 and stats["tokens"] > 0, stats
+    assert stats["micro_batches"] == 1 and stats["tokens"] > 0 and engine.packed, stats
     dtype_bytes = next(engine.engine.module.parameters()).element_size()  # the learner's precision
     bucket = engine.engine.zero_reduce_bucket_size() * dtype_bytes if zero_stage >= 1 else 0
     # torch's own record of every CPU allocation (+bytes) and free (-bytes) in the window
@@ -180,8 +196,20 @@ def build_model(out: Path, size: str) -> tuple[Path, int]:
     """A random fp32 Qwen3 of ``SIZES[size]`` at ``out``; returns (path, parameter count)."""
     from examples.tiny import parameter_count, tiny_qwen3
 
-    path = tiny_qwen3(out, **SIZES[size], max_positions=SEQ_LEN, dtype="float32", tie_embeddings=False)
-    return path, parameter_count(path)
+    if size != "wide":
+        path = tiny_qwen3(out, **SIZES[size], max_positions=SEQ_LEN, dtype="float32", tie_embeddings=False)
+        return path, parameter_count(path)
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    m = SIZES[size]  # the learner reads the model only: no tokenizer needed
+    config = Qwen3Config(vocab_size=WIDE_VOCAB, hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+                         num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                         num_key_value_heads=m["kv_heads"], head_dim=m["head_dim"], max_position_embeddings=SEQ_LEN,
+                         tie_word_embeddings=False, pad_token_id=0)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    return out, parameter_count(out)
 
 
 def run(size: str, model: Path, params: int, zero_stage: int, checkpointing: bool) -> dict:
@@ -189,7 +217,8 @@ def run(size: str, model: Path, params: int, zero_stage: int, checkpointing: boo
     m = measure(model, zero_stage, checkpointing)
     row = {"size": size, "parameters": params, "model": SIZES[size], "zero_stage": zero_stage,
            "checkpointing": checkpointing, "dtype_bytes": m["dtype_bytes"],
-           "batch": {"group_size": GROUP_SIZE, "prompt_len": PROMPT_LEN, "seq_len": SEQ_LEN, "steps": STEPS},
+           "batch": {"group_size": GROUP_SIZE, "prompt_len": PROMPT_LEN, "seq_len": SEQ_LEN, "steps": STEPS,
+                     "packing": True, "logit_chunk_tokens": LOGIT_CHUNK},
            "measured_mb": round(m["peak_without_bucket"] / MB, 2), "step_peak_mb": round(m["peak_in_step"] / MB, 2),
            "peak_mb": round(m["peak"] / MB, 2),
            "bucket_mb": round(m["bucket"] / MB, 2), "bucket_allocations": m["bucket_allocations"],
@@ -212,7 +241,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=RESULTS / "cpu-plan.json")
-    ap.add_argument("--sizes", default="5m,25m")
+    ap.add_argument("--sizes", default="5m,25m,wide")
     ap.add_argument("--stages", default="0,2,3")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one configuration, JSON on the last line
     args = ap.parse_args()
@@ -241,7 +270,8 @@ def main() -> None:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print()
     print(table(rows))
-    print(f"(CPU, fp32 learner, one rank; micro-batch {GROUP_SIZE} x {SEQ_LEN} tokens, {STEPS} steps; "
+    print(f"(CPU, fp32 learner, one rank; micro-batch {GROUP_SIZE} x {SEQ_LEN} tokens packed, logits "
+          f"{LOGIT_CHUNK} tokens at a time, {STEPS} steps; "
           f"predicted = deploy/plan.py Plan.learner, dtype_bytes=4; "
           f"measured = peak live tensor bytes without DeepSpeed's reduce bucket; {report['wall_s']} s)")
 

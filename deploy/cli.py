@@ -567,6 +567,11 @@ def plan(
     gpus: Annotated[str, typer.Option(help="GPUs as Modal spells them: 8xH100 or H100:8.")] = "1xH100",
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (G).")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per completion (L).")] = 1024,
+    micro_batch_tokens: Annotated[int | None, typer.Option(
+        "--micro-batch-tokens", help="learner.micro_batch_tokens: tokens per micro-batch (default: the learner's).")] = None,
+    logit_chunk_tokens: Annotated[int | None, typer.Option(
+        "--logit-chunk-tokens", help="learner.logit_chunk_tokens: tokens whose logits the learner holds at once "
+        "(default: the learner's).")] = None,
     zero_stage: Annotated[int | None, typer.Option("--zero-stage", help="ZeRO stage (default 3 for full, 0/2 for LoRA).")] = None,
     offload: Annotated[bool, typer.Option("--offload", help="Optimizer state (and, at ZeRO-3, parameters) on CPU.")] = False,
     no_checkpointing: Annotated[bool, typer.Option("--no-checkpointing", help="Plan without activation checkpointing.")] = False,
@@ -581,7 +586,9 @@ def plan(
 
     try:
         p = preset(model)
-        kwargs = dict(group_size=group_size, max_tokens=max_tokens, checkpointing=not no_checkpointing, beta=beta)
+        kwargs = dict(group_size=group_size, max_tokens=max_tokens, checkpointing=not no_checkpointing, beta=beta,
+                      micro_batch_tokens=planner.MICRO_BATCH_TOKENS if micro_batch_tokens is None else micro_batch_tokens,
+                      logit_chunk_tokens=planner.LOGIT_CHUNK_TOKENS if logit_chunk_tokens is None else logit_chunk_tokens)
         result = planner.plan(p, mode, gpus, zero_stage=zero_stage, offload=offload, **kwargs)
         smallest = None if result.fits else planner.smallest_fit(p, mode, gpus, offload=offload, **kwargs)
     except ValueError as e:

@@ -8,8 +8,11 @@ slack.
 
 The layout it assumes: the learner and the rollout engine share the GPUs
 (colocated). The learner is one DeepSpeed job with one rank per GPU, each
-rank taking a micro-batch of one group (``G x L`` tokens; the learner's
-``micro_batch_tokens`` default, 8192, is ``8 x 1024``). The rollout engine
+rank taking micro-batches of at most ``micro_batch_tokens`` tokens (the
+learner's ``learner.micro_batch_tokens``, default 8192; a sequence longer
+than that is a micro-batch of its own, so ``t = max(micro_batch_tokens, L)``).
+Packed or padded (``learner.packing``), a micro-batch's tokens are within
+that budget. The rollout engine
 is vLLM with tensor parallelism over all N GPUs, so each holds 1/N of its
 weights and of its KV cache. Per GPU, with P the model's parameters, T the
 trainable ones (P for ``full``; the LoRA adapter otherwise), N GPUs and
@@ -23,7 +26,7 @@ ZeRO stage z:
 - gradients: bf16, 2 bytes x T; divided by N at z >= 2.
 - optimizer: Adam fp32 master weights + m + v, 12 bytes x T (ZeRO's K = 12,
   Rajbhandari et al. 2020); divided by N at z >= 1; 0 with offload (CPU).
-- activations, for t = G x L tokens of sequence length s = L, a layers, h
+- activations, for t micro-batch tokens of sequence length s = L, a layers, h
   hidden, n_h heads, V vocabulary. One layer's working set, from
   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", eq. 1, 16-bit, no sequence parallelism), is
@@ -31,9 +34,14 @@ ZeRO stage z:
   scores, an upper bound where a fused kernel does not materialize them).
   Without checkpointing every layer keeps it: ``t a (34 h + 5 n_h s)``.
   With checkpointing each layer keeps only its bf16 input, and one layer is
-  recomputed at a time: ``t (2 h a + 34 h + 5 n_h s)``. Both add the logits,
-  ``8 t V``: the fp32 temperature-scaled logits (``learner/engine.py``) and
-  the fp32 log-softmax that ``learner/loss.py`` keeps for backward.
+  recomputed at a time: ``t (2 h a + 34 h + 5 n_h s)``. Both add the logits
+  of one chunk, ``12 c V`` with c = min(``logit_chunk_tokens``, t): the
+  learner never builds the micro-batch's logits (``learner/logits.py``); it
+  applies the head and the fp32 log-softmax to c tokens at a time and
+  recomputes each chunk in the backward pass, where the fp32 log-softmax
+  kept for it, its gradient and the gradient of the logits live together
+  (12 bytes per value, measured on CPU by ``test_logits.py``; an entropy
+  bonus, ``loss.entropy_coef > 0``, adds 8 more, not counted here).
 - reference model: only when ``loss.beta > 0`` (the default is 0, so none).
   For ``full`` a frozen bf16 copy, divided by N at z = 3; LoRA takes the
   reference from the adapter-disabled base, so it costs nothing.
@@ -78,6 +86,7 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict
 
 from deploy.presets import ModelPreset
+from services.config import LearnerConfig
 
 GB = 1e9
 HEADROOM = 0.9
@@ -90,7 +99,10 @@ GPU_COUNTS = (1, 2, 4, 8, 16)
 """The GPU counts ``smallest_fit`` tries."""
 RUNTIME_GB = 2.0
 QLORA_BYTES = 0.5 + 0.016
-LOGIT_BYTES = 8
+LOGIT_BYTES = 12
+"""Bytes per logit value of the one chunk the learner holds (fp32 log-softmax, its gradient, the logits' gradient)."""
+MICRO_BATCH_TOKENS = LearnerConfig.model_fields["micro_batch_tokens"].default
+LOGIT_CHUNK_TOKENS = LearnerConfig.model_fields["logit_chunk_tokens"].default
 
 
 class Mode(StrEnum):
@@ -130,6 +142,8 @@ class Plan(BaseModel):
     checkpointing: bool
     group_size: int
     max_tokens: int
+    micro_batch_tokens: int
+    logit_chunk_tokens: int
     groups_in_flight: int
     beta: float
     weights: float
@@ -207,9 +221,12 @@ def plan(
     groups_in_flight: int = 2,
     lora_rank: int = 8,
     dtype_bytes: int = 2,
+    micro_batch_tokens: int = MICRO_BATCH_TOKENS,
+    logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS,
 ) -> Plan:
     """Per-GPU memory of a GRPO run (formulas in the module docstring); ``dtype_bytes`` is the
-    learner's precision, 2 (bf16) or 4 (fp32)."""
+    learner's precision, 2 (bf16) or 4 (fp32); ``micro_batch_tokens`` and ``logit_chunk_tokens``
+    the learner's settings of those names."""
     if mode not in set(Mode):
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(Mode)}")
     mode = Mode(mode)
@@ -219,8 +236,9 @@ def plan(
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {z}")
     if offload and z == 0:
         raise ValueError("offload needs ZeRO stage 1 or more (the optimizer state is what moves to CPU)")
-    if group_size < 1 or max_tokens < 1 or groups_in_flight < 1:
-        raise ValueError("group_size, max_tokens and groups_in_flight must be positive")
+    if min(group_size, max_tokens, groups_in_flight, micro_batch_tokens, logit_chunk_tokens) < 1:
+        raise ValueError("group_size, max_tokens, groups_in_flight, micro_batch_tokens and logit_chunk_tokens "
+                         "must be positive")
     if dtype_bytes not in (2, 4):
         raise ValueError(f"dtype_bytes must be 2 (bf16) or 4 (fp32), not {dtype_bytes}")
     widen = dtype_bytes / 2  # the learner's tensors against the bf16 figures
@@ -241,9 +259,9 @@ def plan(
     optimizer = 0.0 if offload else adam * trainable / (n if z >= 1 else 1)
     step = 0.0 if offload or z == 0 else 8 * trainable / n
 
-    t, s, h, a = group_size * max_tokens, max_tokens, p.hidden, p.layers
+    t, s, h, a = max(micro_batch_tokens, max_tokens), max_tokens, p.hidden, p.layers
     layer = (34 * h + 5 * p.heads * s) * widen
-    logits = LOGIT_BYTES * t * p.vocab
+    logits = LOGIT_BYTES * min(logit_chunk_tokens, t) * p.vocab
     act_full = t * a * layer + logits
     act_ckpt = t * (dtype_bytes * h * a + layer) + logits
 
@@ -257,6 +275,7 @@ def plan(
     return Plan(
         model=p.short_name, mode=mode, gpu=kind, gpus=n, gpu_memory=GPU_MEMORY_GB[kind], zero_stage=z,
         offload=offload, checkpointing=checkpointing, group_size=group_size, max_tokens=max_tokens,
+        micro_batch_tokens=micro_batch_tokens, logit_chunk_tokens=logit_chunk_tokens,
         groups_in_flight=groups_in_flight, beta=beta,
         weights=weights / GB, gradients=gradients / GB, optimizer=optimizer / GB,
         activations_checkpointed=act_ckpt / GB, activations_full=act_full / GB, optimizer_step=step / GB,

@@ -12,11 +12,14 @@ The table (GPUs a GRPO run needs, per model and mode):
 | OLMo-3-1125-32B | 4x 80 GB | 8-16+x 80 GB |
 
 Checked at the planner's defaults: G = 8 completions of L = 1024 tokens,
+the learner's micro-batch budget (8,192 tokens) and logit chunk (1,024 tokens),
 activation checkpointing on, 2 groups in flight, loss.beta = 0, no offload
 unless a case says so. A cell holds when the run fits (at some ZeRO stage) at
 the cell's upper bound and fits at no ZeRO stage below its lower bound. For
 LoRA the upper bound is checked for both LoRA and QLoRA and the lower bound
-for LoRA; QLoRA, which exists to go lower, is allowed to.
+for LoRA; QLoRA, which exists to go lower, is allowed to. Every upper bound
+also holds at L = 2,048 (issue 24: with the whole group's logits in one
+micro-batch, 8B LoRA on one H100 and 14B full on eight did not).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from deploy.plan import Mode, parse_gpus, plan, smallest_fit
 from deploy.presets import PRESETS, preset
 
 
-def fits(model: str, mode: str, gpus: str, offload: bool = False) -> bool:
+def fits(model: str, mode: str, gpus: str, offload: bool = False, **kwargs) -> bool:
     stages = (1, 2, 3) if offload else (0, 1, 2, 3)
-    return any(plan(preset(model), mode, gpus, zero_stage=z, offload=offload).fits for z in stages)
+    return any(plan(preset(model), mode, gpus, zero_stage=z, offload=offload, **kwargs).fits for z in stages)
 
 
 # (model, upper bound that must fit, a configuration below the lower bound that must not)
@@ -68,6 +71,37 @@ def test_full_cells(model, upper, below):
     assert not fits(model, "full", below)
 
 
+UPPER_BOUNDS = ([(m, mode, u, False) for m, u, _ in LORA_CELLS for mode in ("lora", "qlora")]
+                + [(m, "full", u, False) for m, u, _ in FULL_CELLS]
+                + [("qwen3-4b-base", "full", "1xH100", True), ("qwen3-4b-base", "full", "2xL40S", True)])
+"""Every cell's upper bound (Qwen3-4B full: with the optimizer on CPU, see below)."""
+
+
+@pytest.mark.parametrize(("model", "mode", "upper", "offload"), UPPER_BOUNDS)
+def test_every_upper_bound_fits_at_2048_tokens(model, mode, upper, offload):
+    assert fits(model, mode, upper, offload=offload, max_tokens=2048)
+
+
+def test_activations_follow_the_micro_batch_budget_and_the_logit_chunk():
+    p = preset("qwen3-8b-base")
+    base = plan(p, "lora", "1xH100", max_tokens=2048)
+    # one micro-batch of the learner's budget (8,192 tokens), not the whole group (16,384)
+    assert base.micro_batch_tokens == 8192 and base.logit_chunk_tokens == 1024
+    half = plan(p, "lora", "1xH100", max_tokens=2048, micro_batch_tokens=4096)
+    layer = 2 * p.hidden * p.layers + 34 * p.hidden + 5 * p.heads * 2048  # bf16 checkpointed, per token
+    assert base.activations_checkpointed - half.activations_checkpointed == pytest.approx(4096 * layer / 1e9)
+    # the logits of one chunk: 12 bytes per value (fp32 log-softmax, its gradient, the logits' gradient)
+    wide = plan(p, "lora", "1xH100", max_tokens=2048, logit_chunk_tokens=2048)
+    assert wide.activations - base.activations == pytest.approx(12 * 1024 * p.vocab / 1e9)
+    assert base.activations_checkpointed - 8192 * layer / 1e9 == pytest.approx(12 * 1024 * p.vocab / 1e9)
+    # a chunk is never more than the micro-batch; a sequence over the budget is a micro-batch of its own
+    small = plan(p, "lora", "1xH100", max_tokens=512, micro_batch_tokens=256, logit_chunk_tokens=4096)
+    assert small.activations_checkpointed == pytest.approx(
+        512 * (2 * p.hidden * p.layers + 34 * p.hidden + 5 * p.heads * 512) / 1e9 + 12 * 512 * p.vocab / 1e9)
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        plan(p, "lora", "1xH100", micro_batch_tokens=0)
+
+
 def test_qwen3_4b_full_needs_optimizer_offload_on_80gb():
     # 16 bytes/param of learner state (64 GB) + 8 GB of rollout weights leave no room on
     # one 80 GB GPU; the table's 1x80 GB and 2x48 GB hold with the optimizer on CPU.
@@ -79,8 +113,8 @@ def test_qwen3_4b_full_needs_optimizer_offload_on_80gb():
 
 
 def test_moe_full_needs_more_than_eight():
-    # At 8x80 GB ZeRO-3 the learner state is 61 GB/GPU and the rollout weights 7.6 GB,
-    # leaving under 4 GB of a 72 GB budget for 10 GB of logits: the planner says 16.
+    # At 8x80 GB ZeRO-3 the learner state is 61 GB/GPU and the rollout weights 7.6 GB, and the
+    # optimizer step's transients (30 GB) come on top: 101 GB against a 72 GB budget; 16 fit.
     assert not fits("qwen3-30b-a3b-base", "full", "8xH100")
     assert fits("qwen3-30b-a3b-base", "full", "8xH100", offload=True)
 
@@ -174,6 +208,12 @@ def test_cli_exit_codes_and_json():
     full_acts = runner.invoke(app, [*lora, "--no-checkpointing"])
     assert full_acts.exit_code == 2
     assert json.loads(full_acts.output)["activations"] == json.loads(full_acts.output)["activations_full"]
+    # the learner's micro-batch and logit chunk, by default its own defaults
+    out = json.loads(runner.invoke(app, [*lora, "--max-tokens", "2048"]).output)
+    assert (out["micro_batch_tokens"], out["logit_chunk_tokens"], out["fits"]) == (8192, 1024, True)
+    big = runner.invoke(app, [*lora, "--max-tokens", "2048", "--micro-batch-tokens", "65536",
+                              "--logit-chunk-tokens", "65536"])
+    assert big.exit_code == 2 and json.loads(big.output)["logit_chunk_tokens"] == 65536
 
 
 def test_cli_errors_name_the_valid_choices():

@@ -5,7 +5,7 @@ Each file names its model by ``model.path``'s directory (a preset of
 planner's smallest fitting GPU configuration. The checks: the file loads with
 ``load_run_config``; its file name is ``<preset>-<mode>.toml``; every setting
 the planner depends on (mode, ZeRO stage, offload, checkpointing, G, max
-tokens, LoRA rank and targets) agrees with the noted plan; that plan fits and
+tokens, micro-batch tokens, LoRA rank and targets) agrees with the noted plan; that plan fits and
 is what ``smallest_fit`` returns today (so a planner change that moves it
 makes the comment stale, and this test says so).
 """
@@ -64,11 +64,13 @@ def test_preset_config_loads_and_fits_its_noted_plan(path: Path):
     assert cfg.learner.offload_params == (offload and cfg.learner.zero_stage == 3)
     assert cfg.learner.gradient_checkpointing and "no-checkpointing" not in opts
     assert cfg.sampling.group_size == int(opts["group-size"]) and cfg.sampling.max_tokens == int(opts["max-tokens"])
-    # the planner sizes activations for one group (G x max_tokens) per micro-batch
-    assert cfg.learner.micro_batch_tokens <= cfg.sampling.group_size * cfg.sampling.max_tokens
+    # the planner sizes activations for the micro-batch budget and logit chunk the learner uses
+    assert cfg.learner.micro_batch_tokens == int(opts["micro-batch-tokens"])
+    assert cfg.learner.logit_chunk_tokens == planner.LOGIT_CHUNK_TOKENS and "logit-chunk-tokens" not in opts
     assert cfg.loss.beta == 0  # no reference model in the plan
     kwargs = dict(group_size=cfg.sampling.group_size, max_tokens=cfg.sampling.max_tokens, checkpointing=True,
-                  beta=cfg.loss.beta)
+                  beta=cfg.loss.beta, micro_batch_tokens=cfg.learner.micro_batch_tokens,
+                  logit_chunk_tokens=cfg.learner.logit_chunk_tokens)
     if cfg.learner.lora is not None:
         # the planner counts a rank-r adapter on q/k/v/o
         assert sorted(cfg.learner.lora.target_modules) == ["k_proj", "o_proj", "q_proj", "v_proj"]
