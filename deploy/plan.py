@@ -40,7 +40,8 @@ ZeRO stage z:
   applies the head and the fp32 log-softmax to c tokens at a time and
   recomputes each chunk in the backward pass, where the fp32 log-softmax
   kept for it, its gradient and the gradient of the logits live together
-  (12 bytes per value, measured on CPU by ``test_logits.py``; an entropy
+  (12 bytes per value for a chunk measured alone on CPU; ``bench/plan_cpu.py``'s
+  wide model checks the figure inside the learner's step; an entropy
   bonus, ``loss.entropy_coef > 0``, adds 8 more, not counted here).
 - reference model: only when ``loss.beta > 0`` (the default is 0, so none).
   For ``full`` a frozen bf16 copy, divided by N at z = 3; LoRA takes the

@@ -8,9 +8,9 @@ transformers 5 can mask a packed row from its position ids alone (with no
 attention mask and no cache, ``masking_utils.find_packed_sequence_indices``),
 but for SDPA and eager attention it does so with a dense ``N x N`` mask, and the
 kernels then compute the whole ``N x N`` score matrix, cross-sequence blocks
-included: on a packed row of four 256-token sequences, CPU SDPA with that mask
-took 3.5 times as long as the four sequences padded (bench/learner_packing.py
-measures the learner end to end). So the learner loads the model with its own
+included: attention costing the square of the micro-batch instead of the sum
+of its sequences' squares (docs/performance.md, "Packed micro-batches",
+gives the figures). So the learner loads the model with its own
 attention implementation, :data:`ATTENTION` (registered with transformers'
 ``AttentionInterface``): given the sequence lengths (the ``packed_seq_lens``
 keyword, which transformers passes from the model's forward down to every
@@ -49,17 +49,16 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if sum(lens) != query.shape[2] or (len(lens) > 1 and query.shape[0] != 1):
         raise ValueError(f"packed_seq_lens {lens} do not tile a row of {query.shape[2]} tokens (batch {query.shape[0]})")
     kwargs.pop("is_causal", None)
-    outs, start = [], 0
-    for n in lens:
-        q, k, v = (x[:, :, start : start + n] for x in (query, key, value))
-        mask = None
+    outs = []
+    # split, not one slice per sequence: a slice's backward writes into a zeroed copy of the whole row
+    for q, k, v in zip(*(x.split(lens, dim=2) for x in (query, key, value)), strict=True):
+        n, mask = q.shape[2], None
         if sliding_window is not None and n > sliding_window:
             i = torch.arange(n, device=query.device)
             mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                         is_causal=True, **kwargs)
         outs.append(out)
-        start += n
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 

@@ -167,8 +167,10 @@ def peak_bytes(fn) -> int:
 
 def test_the_chunked_path_holds_a_few_chunks_of_logits_not_the_micro_batch(tmp_path):
     """1,024 scored tokens x a 32,768 vocabulary are 134 MB of fp32 logits; in chunks of 64 the forward and
-    backward of the head and log-softmax stay under 8 chunks' worth (the full path needs more than 3x the
-    whole). Fails if a chunk's logits outlive it (no checkpointing) or the chunking is lost."""
+    backward of the head and log-softmax hold, beside the head's gradient and the inputs, at most 13 bytes
+    per value of one chunk (deploy/plan.py counts 12: the log-softmax kept for backward, its gradient and
+    the logits' gradient), where the full path needs more than 3x the whole. Fails if a chunk's logits
+    outlive it (no checkpointing) or the chunking is lost."""
     vocab, hidden, n, chunk = 32768, 64, 1024, 64
     head = torch.nn.Linear(hidden, vocab, bias=False)
     g = torch.Generator().manual_seed(0)
@@ -185,6 +187,6 @@ def test_the_chunked_path_holds_a_few_chunks_of_logits_not_the_micro_batch(tmp_p
         logits = head(states).float() / TEMPERATURE
         token_logprobs(logits[None], targets[None]).sum().backward()
 
-    one_chunk = chunk * vocab * 4
-    assert peak_bytes(chunked) < 8 * one_chunk
+    fixed = (vocab * hidden + n * hidden) * 4  # the head's weight gradient and the states' gradient
+    assert peak_bytes(chunked) - fixed < 13 * chunk * vocab
     assert peak_bytes(full) > 3 * n * vocab * 4  # what the planner counted before (8 t V) is of this order
