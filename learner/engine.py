@@ -10,10 +10,10 @@ offers the four things the trainer needs:
   micro-batched by token budget with gradient accumulation (DeepSpeed's
   accumulation boundary is set by hand because the number of micro-batches
   varies per step; every rank runs the same number, see ``learner.batch``).
-  Micro-batches are padding-free by default (``learner.packing``: one packed
-  row, attention kept within each sequence by ``learner.packing``), and the
-  log-probs come from the final hidden states a chunk of tokens at a time
-  (``learner.logits``), never the whole micro-batch's logits;
+  Micro-batches are padding-free by default (the ``learner.packing`` setting:
+  one packed row, whose attention ``learner/packing.py`` keeps within each
+  sequence), and the log-probs come from the final hidden states a chunk of
+  tokens at a time (``learner/logits.py``), never the whole micro-batch's logits;
 - :meth:`full_state_dict`: the full weights in Hugging Face naming on rank 0
   (ZeRO-3 parameters gathered module by module with ``GatheredParameters``;
   LoRA merged into the base weights), for publishing;
@@ -188,9 +188,8 @@ class LearnerEngine:
             shape = {"position_ids": batch["position_ids"], "packed_seq_lens": batch["seq_lens"]}
         else:
             shape = {"attention_mask": batch["attention_mask"]}
-        # the model stops at its final hidden states (logits for one position only: the head's
-        # forward still runs, which keeps ZeRO-3's hooks in their usual order); learner.logits applies
-        # the head, the temperature and the log-softmax a chunk at a time
+        # the model's own head runs on one position only (logits_to_keep=1); learner.logits applies
+        # it, the temperature and the log-softmax to the final hidden states a chunk at a time
         out = module(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=1, output_hidden_states=True,
                      **shape)
         logp, ent = scored_logprobs(out.hidden_states[-1], head, batch["index"], batch["tokens"],
