@@ -274,20 +274,26 @@ async def test_version_tags_are_true_under_reloads_during_generation(rollout_ser
         # build the weights up front: the reloads must land while requests are in flight
         req1, req2 = weight_versions.make(seed=104), weight_versions.make(seed=105)
 
-        async def reload_soon(req, delay):
-            await asyncio.sleep(delay)
+        # each reload waits for a batch to finish, then lands while the next batch is generating: timed
+        # from the test's start, both reloads could land before a loaded machine had generated anything
+        done = [asyncio.Event() for _ in range(6)]
+
+        async def reload_during(req, batch):
+            await done[batch].wait()
+            await asyncio.sleep(0.3)
             r = await c.post("/v1/weights", json=req.model_dump())
             assert r.status_code == 200, r.text
             return r.json()["version"]
 
         async def stream_of_requests():
             outs = []
-            for _ in range(6):
+            for i in range(6):
                 batch = await asyncio.gather(*[_generate(c, **body) for _ in range(4)])
                 outs += batch
+                done[i].set()
             return outs
 
-        outs, v1, v2 = await asyncio.gather(stream_of_requests(), reload_soon(req1, 0.3), reload_soon(req2, 1.0))
+        outs, v1, v2 = await asyncio.gather(stream_of_requests(), reload_during(req1, 0), reload_during(req2, 1))
     assert first < v1 < v2
     seen = set()
     for out in outs:
