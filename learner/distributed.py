@@ -108,9 +108,10 @@ def _without_shm_op() -> None:
     """Keep DeepSpeed's communication backend from building its shared-memory all-reduce op.
 
     On CPU, DeepSpeed's ``TorchBackend`` JIT-compiles the C++ op ``deepspeed_shm_comm`` whenever it
-    starts, even on one rank: 75-395 s measured on two cores, again whenever the shared build cache
-    (``~/.cache/torch_extensions``) was last built with other flags. The op serves only
-    ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers); training never calls it:
-    ZeRO's collectives go through ``torch.distributed`` (gloo), on any number of ranks."""
+    starts, even on one rank (minutes on two cores: docs/performance.md, "Fixed costs"), again
+    whenever the shared build cache (``~/.cache/torch_extensions``) was last built with other flags.
+    The op serves only ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers);
+    training never calls it: ZeRO's collectives go through ``torch.distributed`` (gloo), on any
+    number of ranks."""
     # by name: ``import deepspeed.comm.torch`` binds deepspeed.comm's attribute ``torch``, the torch package
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
