@@ -129,6 +129,16 @@ class Keys:
         return self._k("learner:lease")
 
     @property
+    def timeline(self) -> str:
+        """Stream of spans of work and waiting from every service (``services.timeline``), capped ~."""
+        return self._k("timeline")
+
+    @property
+    def heartbeats(self) -> str:
+        """Hash service -> Unix time of its last heartbeat (``services.timeline``; ``control_plane.stalls``)."""
+        return self._k("heartbeats")
+
+    @property
     def incidents(self) -> str:
         """Stream of watchdog incidents (a call that outlived its bound: what, waited, limit, action)."""
         return self._k("incidents")
