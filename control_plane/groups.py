@@ -65,6 +65,7 @@ def build_groups(run_id: str, lines: list[dict], config: RunConfig, chat: bool |
                     n=config.sampling.group_size,
                     index=index,
                     epoch=epoch,
+                    episode=lines[index].get("episode"),
                 )
             )
     return groups

@@ -12,7 +12,9 @@ reads (``services.prompts``); the stored line keeps ``prompt``, ``messages``
 or ``inputs`` beside ``spec`` (typed) or ``fields`` (untyped).
 A line without ``"type"`` takes the run config's ``reward.type`` and
 ``reward.extract`` when a run starts (:func:`line_specs`; at upload it is
-checked against ``default_type``). Blank lines are skipped. Errors name the
+checked against ``default_type``). A line may also carry ``episode``
+(``services.wire.EpisodeSpec``: tools, ``max_turns``, a token budget): its
+samples are then multi-turn episodes (``rollout_server.episodes``). Blank lines are skipped. Errors name the
 1-based line and the field.
 
 A line is strict JSON (RFC 8259) of bounded shape, so that what is accepted
@@ -46,7 +48,7 @@ from services.reward_specs import (
     RewardSpec,
     WeightedSpec,
 )
-from services.wire import Messages
+from services.wire import EpisodeSpec, Messages
 
 MAX_ERRORS = 20
 """An upload stops being parsed after this many bad lines (the 422 lists them)."""
@@ -105,7 +107,10 @@ def check_line(obj: object, line: int, default_type: str) -> tuple[dict, list[di
         return {}, [{"line": line, "field": "", "msg": "expected a JSON object"}]
     fields = dict(obj)
     typed = "type" in fields
-    form, errors = _prompt_form(fields, line, fields.get("type") if typed else default_type)
+    episode, errors = _episode(fields.pop("episode", None), line)
+    form, form_errors = _prompt_form(fields, line, fields.get("type") if typed else default_type)
+    errors += form_errors
+    form = {**form, **episode}
     try:
         spec = SPEC.validate_python(fields if typed else {**fields, "type": default_type})
     except ValidationError as e:
@@ -115,6 +120,18 @@ def check_line(obj: object, line: int, default_type: str) -> tuple[dict, list[di
     if typed:
         return {**form, "spec": spec.model_dump(mode="json")}, []
     return {**form, "fields": fields}, []
+
+
+def _episode(value: object, line: int) -> tuple[dict, list[dict]]:
+    """A line's ``episode`` (``services.wire.EpisodeSpec``) as stored: ``({"episode": {...}} or {}, errors)``."""
+    if value is None:
+        return {}, []
+    try:
+        spec = EpisodeSpec.model_validate(value)
+    except ValidationError as e:
+        return {}, [{"line": line, "field": ".".join(["episode", *(str(p) for p in err["loc"])]),
+                     "msg": "unknown field" if err["type"] == "extra_forbidden" else err["msg"]} for err in e.errors()]
+    return {"episode": spec.model_dump(mode="json")}, []
 
 
 def _prompt_form(fields: dict, line: int, kind: object) -> tuple[dict, list[dict]]:

@@ -93,6 +93,9 @@ LogProbs = Annotated[
     list[float],
     *_packed("<f8", lambda a: bool(np.isfinite(a).all() and a.max() <= 1e-4), "logprobs must be finite and <= 0"),
 ]
+TokenMask = Annotated[
+    list[Annotated[int, Field(ge=0, le=1)]], *_packed("<u1", lambda a: bool((a <= 1).all()), "mask values must be 0 or 1")
+]
 
 
 # --------------------------------------------------------------------------
@@ -326,6 +329,28 @@ def _one_form(value: PromptGroup | EvalPrompt) -> None:
         raise ValueError("give exactly one of 'prompt' and 'messages'")
 
 
+TOOL_NAME = r"^[a-z][a-z0-9_]{0,39}$"
+"""A tool's name, as the model writes it in a call (``<tool>NAME: ARGS</tool>``, ``rollout_server.tools``)."""
+
+
+class EpisodeSpec(Wire):
+    """A prompt that is a multi-turn episode (``rollout_server.episodes``): the model writes, may call one of
+    ``tools`` (``<tool>NAME: ARGS</tool>``), reads the tool's observation, and goes on, for at most
+    ``max_turns`` turns of its own and ``max_tokens`` completion tokens in all (its own and the observations';
+    None: the run's ``sampling.max_tokens``). Each call is bounded by ``tool_timeout_s``."""
+
+    tools: list[Annotated[str, Field(pattern=TOOL_NAME)]] = Field(default_factory=list, max_length=32)
+    max_turns: int = Field(default=4, ge=1, le=64)
+    max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    tool_timeout_s: float = Field(default=10.0, gt=0, le=600)
+
+    @model_validator(mode="after")
+    def _distinct(self) -> EpisodeSpec:
+        if len(set(self.tools)) != len(self.tools):
+            raise ValueError("tools: each tool is named once")
+        return self
+
+
 class PromptGroup(Wire):
     """One entry of the ``prompts`` stream: generate ``n`` completions of ``prompt`` (text, tokenized as
     it is) or of ``messages`` (rendered with the model's chat template), score with ``spec``.
@@ -342,6 +367,7 @@ class PromptGroup(Wire):
     n: int = Field(ge=1, le=1024)
     index: int = Field(default=0, ge=0, description="Line number in the prompt set.")
     epoch: int = Field(default=0, ge=0)
+    episode: EpisodeSpec | None = Field(default=None, description="Set: each of the n samples is a multi-turn episode.")
 
     @model_validator(mode="after")
     def _form(self) -> PromptGroup:
@@ -366,16 +392,37 @@ class EvalPrompt(Wire):
 
 class ScoredSample(Sample):
     """A sample with its reward (never an infrastructure failure: those groups are not sent) and the
-    reward's named ``components``, if a python reward function gave any."""
+    reward's named ``components``, if a python reward function gave any.
+
+    An episode's sample (``PromptGroup.episode``) holds every completion token, the model's and the tools'
+    observations', in order: ``mask[i]`` is 1 where the model generated ``token_ids[i]`` (trained) and 0 on
+    an observation token (its ``logprobs`` entry is 0 and means nothing); empty = every token the model's.
+    ``turn_versions[k]`` is the weight version that generated the model's turn k (``policy_version`` is
+    the oldest); ``tool_calls`` calls were made, ``tool_errors`` of them answered with an error."""
 
     reward: float
     status: ScoreStatus
     components: Components = Field(default_factory=dict)
+    mask: TokenMask = Field(default_factory=list)
+    turns: int = Field(default=1, ge=1)
+    turn_versions: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    tool_calls: int = Field(default=0, ge=0)
+    tool_errors: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _scored(self) -> ScoredSample:
         if self.status in INFRA_STATUSES or not math.isfinite(self.reward):
             raise ValueError("trajectories carry only scored samples with finite rewards")
+        if self.mask and len(self.mask) != len(self.token_ids):
+            raise ValueError(f"mask has {len(self.mask)} entries for {len(self.token_ids)} token_ids")
+        if self.turn_versions:
+            if len(self.turn_versions) != self.turns:
+                raise ValueError(f"turn_versions has {len(self.turn_versions)} entries for {self.turns} turns")
+            if min(self.turn_versions) != self.policy_version:
+                raise ValueError(f"policy_version {self.policy_version} is not the oldest turn's "
+                                 f"({min(self.turn_versions)})")
+        if self.tool_errors > self.tool_calls:
+            raise ValueError(f"tool_errors {self.tool_errors} > tool_calls {self.tool_calls}")
         return self
 
 
