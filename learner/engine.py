@@ -60,6 +60,7 @@ from learner.packing import register as register_packed_attention
 from learner.rng import load_rng_state, rng_state, seed_everything, set_rng_state
 from services import watchdog
 from services.config import RunConfig
+from services.timeline import Timeline
 
 log = logging.getLogger("tandem.learner")
 
@@ -111,6 +112,8 @@ class LearnerEngine:
         self.incidents = incidents
         self.watchdog = watchdog.Watchdog(sink=incidents, source=f"learner:rank{self.rank}")
         self.steps_taken = 0
+        self.timeline = Timeline.off()
+        """Spans of the step's parts (rank 0's trainer sets the run's; services.timeline)."""
         self.device = torch.device(get_accelerator().current_device_name())
         self._host: dict[str, torch.Tensor] = {}  # pinned host copies of the published weights (see _to_host)
         seed_everything(cfg.learner.seed)
@@ -253,19 +256,22 @@ class LearnerEngine:
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate(mb, self.pad_id, packed=self.packed).items()}
             self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
-            logp, entropy = self._scored(self.engine, self.head, batch, chunks,
-                                         "grad" if cfg.loss.entropy_coef > 0 else "value")
-            ref_logp = self._ref_logp(batch, chunks) if cfg.loss.beta > 0 else None
-            loss, st = token_loss(
-                cfg.loss, logp=logp, behav_logp=batch["behav"], advantages=batch["advantages"],
-                mask=batch["mask"], coef=batch["coef"], ref_logp=ref_logp, entropy=entropy,
-            )
+            with self.timeline.span("forward", "rank0", micro_batch=i):
+                logp, entropy = self._scored(self.engine, self.head, batch, chunks,
+                                             "grad" if cfg.loss.entropy_coef > 0 else "value")
+                ref_logp = self._ref_logp(batch, chunks) if cfg.loss.beta > 0 else None
+                loss, st = token_loss(
+                    cfg.loss, logp=logp, behav_logp=batch["behav"], advantages=batch["advantages"],
+                    mask=batch["mask"], coef=batch["coef"], ref_logp=ref_logp, entropy=entropy,
+                )
             # c_{i,t} already normalises over the whole batch; DeepSpeed averages gradients
             # over data-parallel ranks, so scale by the world size to keep a sum
-            with self._collective("backward (DeepSpeed's gradient all-reduce / ZeRO reduce-scatter)", in_step=True):
+            with self._collective("backward (DeepSpeed's gradient all-reduce / ZeRO reduce-scatter)", in_step=True), \
+                    self.timeline.span("backward", "rank0", micro_batch=i):
                 self.engine.backward(loss * self.world, scale_wrt_gas=False)
             local.merge(st)
-        with self._collective("optimizer step (DeepSpeed's gradient reduction / ZeRO all-gather)", in_step=True):
+        with self._collective("optimizer step (DeepSpeed's gradient reduction / ZeRO all-gather)", in_step=True), \
+                self.timeline.span("optimizer", "rank0"):
             self.engine.step()
         total = torch.tensor(local.as_vector(), dtype=torch.float64, device=self.device)
         wmax = torch.tensor([local.is_weight_max], dtype=torch.float64, device=self.device)

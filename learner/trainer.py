@@ -88,6 +88,7 @@ from learner.settings import LearnerSettings
 from learner.status import Published, Status
 from learner.weights import RETENTION_FILE, RUN_CONFIG_FILE, best, retained
 from services.config import RunConfig
+from services.timeline import Timeline
 
 if TYPE_CHECKING:
     from broker import Delivery
@@ -167,6 +168,8 @@ class Trainer:
         """v_learner: the newest version this learner published (the checkpoint's after a resume)."""
         self.held: list[tuple[Delivery, dict]] = []
         """Groups trained since the last checkpoint, with their ledger details (acknowledged after it)."""
+        self.timeline = Timeline.off()
+        """Rank 0's spans (read, step, publish, checkpoint: services.timeline), the run's once it leads."""
 
     # -- entry points -------------------------------------------------------
 
@@ -235,6 +238,7 @@ class Trainer:
         _write_json(self.paths.config, self.cfg.model_dump(mode="json"))  # what `tandem export` reads
         store.clean_temp(self.paths.weights)
         self.redis = connect(self.settings.redis_url)
+        self.timeline = self.engine.timeline = Timeline(self.settings.redis_url, Keys(self.run_id), "learner").start()
         try:
             self.keys = Keys(self.run_id)
             self.registry = WeightRegistry(self.redis, self.keys)
@@ -254,13 +258,16 @@ class Trainer:
                               for d, g in batch.taken]
                 await self.feeder.hold(batch.deliveries)
                 if cmd.publish:
-                    await self._publish(self.version + 1, resume=False)
+                    with self.timeline.span("publish", "rank0", step=self.step, version=self.version + 1):
+                        await self._publish(self.version + 1, resume=False)
                     crash_point("published", self.step, self.paths.checkpoints)  # published, not acked
                 if cmd.checkpoint:
-                    await self._checkpoint()
+                    with self.timeline.span("checkpoint", "rank0", step=self.step):
+                        await self._checkpoint()
                 await self._report(batch, stats, train_s)
             await self._finish()
         finally:
+            await self.timeline.stop_async()
             await self.redis.aclose()
 
     async def _resume(self, state: dict | None) -> None:
@@ -314,9 +321,10 @@ class Trainer:
             self.status.state = "waiting"
             t0 = time.monotonic()
             try:
-                taken = await self.feeder.next_batch(
-                    self.version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
-                )
+                with self.timeline.span("read", "rank0", step=self.step + 1):  # the learner's data wait
+                    taken = await self.feeder.next_batch(
+                        self.version, cfg.learner.groups_per_step, cfg.learner.wait_timeout_s, stop=self.stop_event
+                    )
             except DataTimeout as e:
                 await self._starved(e, time.monotonic() - t0)
                 raise
@@ -361,7 +369,8 @@ class Trainer:
         self.status.state = "training"
         self.ranks.send(cmd)
         t0 = time.monotonic()
-        stats = self.engine.train_step(cmd.rows[0])
+        with self.timeline.span("step", "rank0", step=cmd.step):
+            stats = self.engine.train_step(cmd.rows[0])
         self.step = cmd.step
         return stats, time.monotonic() - t0
 

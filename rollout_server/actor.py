@@ -82,6 +82,7 @@ from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import RunConfig
 from services.evaluate import EvalLog, due, score
+from services.timeline import Timeline
 from services.watchdog import IncidentLog, Stalled
 
 log = logging.getLogger("tandem.rollout.actor")
@@ -117,8 +118,11 @@ class Actor:
         server_id: str,
         metrics: RolloutMetrics,
         concurrency: int = 32,
+        timeline: Timeline | None = None,
     ) -> None:
         self.engine = engine
+        self.timeline = timeline or Timeline.off()
+        """Spans of this server's work and waits (services.timeline; docs/trace.md names them)."""
         self.redis = redis
         self.keys = keys
         self.config = config
@@ -175,7 +179,9 @@ class Actor:
             raise_if_cancelled()
             started = False
             try:
-                decision = await self.admission.reserve(self.engine.version, timeout_s=1.0)
+                with self.timeline.span("admit", "admit") as span:
+                    decision = await self.admission.reserve(self.engine.version, timeout_s=1.0)
+                    span["reason"] = decision.reason
                 self.metrics.admission.labels(decision.reason).inc()
                 if decision.reason == "stale":
                     await self._catch_up()
@@ -252,7 +258,8 @@ class Actor:
         if wv.version in await self.registry.retracted():
             return False  # withdrawn by a resumed learner; it publishes the weights it holds next
         try:
-            await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
+            with self.timeline.span("reload", "weights", version=wv.version):
+                await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
         except WeightLoadError as e:
             self._failed_load = (wv.version, time.monotonic())
             log.error("cannot load published version %d: %s", wv.version, e.message)
@@ -276,7 +283,8 @@ class Actor:
         if not self._eval_prompts or not await self.evals.claim(version, self.server_id):
             return
         t0 = time.monotonic()
-        samples = await asyncio.gather(*[self._eval_one(i, p) for i, p in enumerate(self._eval_prompts)])
+        with self.timeline.span("eval_hold", "eval", version=version):  # no other version loads meanwhile
+            samples = await asyncio.gather(*[self._eval_one(i, p) for i, p in enumerate(self._eval_prompts)])
         gen_s = time.monotonic() - t0
         self._tasks.create_task(self._score_eval(version, samples, gen_s, t0), name=f"eval-v{version}")
 
@@ -392,7 +400,8 @@ class Actor:
 
         t0 = time.monotonic()
         try:
-            gen = await self.engine.generate(ids, sampling, source="actor")
+            with self.timeline.span("generate", "groups", group=pg.group_id, n=pg.n):
+                gen = await self.engine.generate(ids, sampling, source="actor")
         except InvalidRequest as e:  # vLLM refused it (a limit our own check does not know)
             await self._drop(delivery, ticket, "invalid", f"engine refused the group: {e}")
             return
@@ -402,7 +411,8 @@ class Actor:
         self.metrics.group_gen_s.observe(gen_s)
 
         try:
-            results = await self._score(pg, gen.samples)
+            with self.timeline.span("score", "groups", group=pg.group_id):
+                results = await self._score(pg, gen.samples)
         except httpx.HTTPStatusError as e:
             # the client has used up its own retries; the question now is whether a later delivery can succeed
             if not is_retryable(e):  # the request is wrong: repeating it cannot help
@@ -443,14 +453,15 @@ class Actor:
         statuses: dict[str, int] = {}
         for smp in samples:
             statuses[smp.status] = statuses.get(smp.status, 0) + 1
-        handed = await self.prompts.handoff(
-            delivery,
-            self.trajectories,
-            Envelope(pg.group_id, traj.policy_version, wire.encode(traj)),
-            ticket.token,
-            server=self.server_id, version=traj.policy_version, statuses=statuses,
-            reward_mean=sum(smp.reward for smp in samples) / len(samples),
-        )
+        with self.timeline.span("handoff", "groups", group=pg.group_id, version=traj.policy_version):
+            handed = await self.prompts.handoff(
+                delivery,
+                self.trajectories,
+                Envelope(pg.group_id, traj.policy_version, wire.encode(traj)),
+                ticket.token,
+                server=self.server_id, version=traj.policy_version, statuses=statuses,
+                reward_mean=sum(smp.reward for smp in samples) / len(samples),
+            )
         if handed is None:
             log.warning("group %s was handed off or ended elsewhere meanwhile; this copy is discarded", pg.group_id)
             self.metrics.groups.labels("duplicate").inc()

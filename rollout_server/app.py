@@ -110,13 +110,16 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
 async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
     from broker import Keys, connect
     from rollout_server.actor import reward_client
+    from services.timeline import Timeline
 
     if not rs.redis_url:
         raise ValueError("the actor loop needs Redis: set REDIS_URL")
     redis = connect(rs.redis_url)
     reward = reward_client(rs, redis, Keys(rs.run_id), config)
+    timeline = Timeline(rs.redis_url, Keys(rs.run_id), f"rollout:{rs.name}").start()
     actor = Actor(
         eng,
+        timeline=timeline,
         redis=redis,
         keys=Keys(rs.run_id),
         config=config,
@@ -125,7 +128,7 @@ async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfi
         metrics=metrics,
         concurrency=rs.actor_concurrency,
     )
-    return asyncio.create_task(actor.run(), name="actor"), [reward.aclose, redis.aclose]
+    return asyncio.create_task(actor.run(), name="actor"), [reward.aclose, redis.aclose, timeline.stop_async]
 
 
 async def _watchdog(app: FastAPI, eng: RolloutEngine, actor_task: asyncio.Task | None, grace_s: float) -> None:

@@ -27,6 +27,7 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from services.config import RunConfig
 from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
+from services.timeline import Timeline
 
 log = logging.getLogger("tandem.rollout")
 
@@ -46,8 +47,9 @@ async def follow_runs(
             await engine.reset_to_base()  # a previous run left its last version loaded
             keys = Keys(run.run_id)
             reward = reward_client(rs, redis, keys, run.config)
+            timeline = Timeline(rs.redis_url, keys, f"rollout:{rs.name}").start()
             actor = Actor(engine, redis=redis, keys=keys, config=run.config, reward=reward,
-                          server_id=rs.name, metrics=metrics, concurrency=rs.actor_concurrency)
+                          server_id=rs.name, metrics=metrics, concurrency=rs.actor_concurrency, timeline=timeline)
             task = asyncio.create_task(actor.run(), name=f"actor-{run.run_id}")
             log.info("serving run %s", run.run_id)
             try:
@@ -55,6 +57,7 @@ async def follow_runs(
             finally:
                 await cancel_and_wait(task)  # a failure of the actor was raised by _serve
                 await reward.aclose()
+                await timeline.stop_async()
             log.info("run %s is over", run.run_id)
     finally:
         await redis.aclose()

@@ -166,6 +166,12 @@ class Timeline:
         self._thread.join(timeout_s)
         self._thread = None
 
+    async def stop_async(self) -> None:
+        """:meth:`stop` from an event loop (its join waits in a thread)."""
+        import asyncio
+
+        await asyncio.to_thread(self.stop)
+
     def _connect(self):
         import redis
 
