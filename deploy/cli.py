@@ -561,6 +561,59 @@ def export(
 
 
 @app.command()
+def trace(
+    run: Annotated[str, typer.Argument(help="A run directory (runs/<run_id>) or the id of a run in the running "
+                                            "stack's Redis (live or finished).")],
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Where to write (default: trace-<run>.json).")] = None,
+    runs_root: Annotated[Path, typer.Option("--runs", help="Where tandem run leaves run directories.")] = Path("runs"),
+    run_dir: Annotated[Path, typer.Option(help="The running stack's directory (for a run id).")] = Path("runs/stack"),
+) -> None:
+    """Write the run's timeline (every service's spans, incidents) as Chrome/Perfetto trace-event JSON: open it in
+    ui.perfetto.dev. See docs/trace.md."""
+    import asyncio
+    import json
+
+    from deploy import trace as tr
+
+    path = Path(run) if Path(run).exists() else runs_root / run
+    if path.is_dir() and any([(path / "timeline.jsonl").exists(), *(p.exists() for p in path.glob("*/timeline.jsonl"))]):
+        spans, incidents = tr.from_run_dir(path)
+        name = path.resolve().name
+    else:
+        from broker import connect
+        from broker.keys import check_run_id
+
+        try:
+            check_run_id(run)
+        except ValueError as e:
+            _fail(f"{run}: no run directory with a timeline.jsonl, and not a run id: {e}")
+        secret = _settings("client").redis_url
+        url = secret.get_secret_value() if secret else None
+        info = run_dir / "stack.json"
+        if not url and info.exists():
+            url = json.loads(info.read_text()).get("redis_url")
+        if not url:
+            _fail(f"{run}: no run directory with a timeline.jsonl, and no running stack in {run_dir} (or REDIS_URL)")
+
+        async def read():
+            redis = connect(url)
+            try:
+                return await tr.from_redis(redis, run)
+            finally:
+                await redis.aclose()
+
+        spans, incidents = asyncio.run(read())
+        name = run
+    if not spans:
+        _fail(f"run {run}: no spans recorded (unknown run?)", code=1)
+    target = out or Path(f"trace-{name}.json")
+    trace = tr.write(target, spans, incidents)
+    typer.echo(f"{len(spans)} spans, {len(incidents)} incidents over "
+               f"{max(s.end for s in spans) - min(s.start for s in spans):.1f} s -> {target} "
+               f"({len(trace['traceEvents'])} trace events; open it in https://ui.perfetto.dev)")
+
+
+@app.command()
 def plan(
     model: Annotated[str, typer.Option("--model", help="Preset, e.g. qwen3-8b-base (case-insensitive).")],
     mode: Annotated[str, typer.Option(help="lora, qlora or full.")] = "lora",
