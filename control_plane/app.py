@@ -45,6 +45,7 @@ from control_plane.groups import build_groups, enqueue
 from control_plane.model_path import ModelNotVisible, deployed_model
 from control_plane.prompt_sets import PromptSetStore
 from control_plane.reward_functions import FunctionCheck, spec_functions
+from control_plane.stalls import StallMonitor
 from control_plane.trackers import TrackerHub
 from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
@@ -344,9 +345,11 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None, *,
         app.state.functions = FunctionCheck(settings)
         app.state.prompt_sets = PromptSetStore(redis, settings, app.state.functions)
         app.state.trackers = TrackerHub(redis, settings.run_dir).start()
+        app.state.stalls = StallMonitor(redis).start()  # silent heartbeats become incidents
         try:
             yield
         finally:
+            await app.state.stalls.stop()
             await app.state.trackers.stop()
             await app.state.functions.close()
             await redis.aclose()

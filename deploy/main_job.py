@@ -15,7 +15,9 @@
    ``accuracy_before`` / ``accuracy_after`` are the held-out accuracy of
    version 0 and of the final version (mean@n with ``eval.samples = n > 1``,
    whose pass@k are ``pass_at_before`` / ``pass_at_after`` and each entry's
-   ``pass_at`` in ``evals``).
+   ``pass_at`` in ``evals``). ``incidents`` lists every watchdog and stall
+   incident of the run; ``timeline.jsonl`` beside it holds every service's
+   spans (``tandem trace runs/<run_id>``).
 6. Audit the run's ledger (:mod:`deploy.audit`, as ``tandem audit``) and
    put the verdict in ``summary.json`` as ``audit``.
 
@@ -39,7 +41,7 @@ from deploy.audit import audit_file
 from deploy.progress import progress_bar
 from deploy.report import eval_text, pass_at, write_plots, write_summary
 from deploy.stack import Stack
-from services import wire
+from services import timeline, wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import RunConfig
 from services.evaluate import RUN_JOB, EvalLog, evaluate
@@ -189,6 +191,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         version = asyncio.run(_serve_final(stack, run_id))
         after = asyncio.run(_eval_final(stack, config, run_id, version)) if config.eval.after else None
         status = asyncio.run(_status(stack, run_id))
+        spans, incidents = asyncio.run(_timeline(stack, run_id))
         points = asyncio.run(_metrics(stack, run_id))
         evals = eval_fields(points, after, config.eval.samples)["evals"]
         if config.eval.before and not any(e["version"] == 0 for e in evals):
@@ -209,6 +212,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
             work.rename(target)
     run_dir = runs_root.resolve() / run_id
     write_plots(points, run_dir / "report")
+    timeline.write_file(run_dir / timeline.TIMELINE_FILE, spans)  # tandem trace reads it
     st = status.staleness
     summary = {
         "run_id": run_id,
@@ -224,6 +228,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         "stale_dropped": st.stale_dropped,
         "counters": status.counters,
         "throughput": _run_means(points, wire.Throughput.model_fields),
+        "incidents": [i.model_dump(mode="json", exclude={"stack"}) for i in incidents],
     }
     try:
         verdict = audit_file(run_dir).as_dict()
@@ -247,6 +252,17 @@ def _run_means(points: list[wire.MetricPoint], names) -> dict[str, float | None]
         xs = [p.values[name] for p in points if name in p.values]
         out[name] = sum(xs) / len(xs) if xs else None
     return out
+
+
+async def _timeline(stack: Stack, run_id: str) -> tuple[list[timeline.Span], list[wire.Incident]]:
+    """The run's spans and every incident (watchdogs, stalls), oldest first, from the stack's Redis."""
+    from deploy.trace import from_redis
+
+    redis = connect(stack.redis_url)
+    try:
+        return await from_redis(redis, run_id)
+    finally:
+        await redis.aclose()
 
 
 async def _status(stack: Stack, run_id: str) -> wire.RunStatus:

@@ -326,6 +326,11 @@ class WatchdogConfig(Section):
     collective_s: float = Field(default=900.0, gt=0)
     """torch.distributed's process-group timeout: a collective between learner ranks (an
     all-reduce, the command broadcast) waiting longer fails the run with an error naming it."""
+    stall_s: float = Field(default=30.0, gt=0)
+    """A service's heartbeat (``services.timeline``: every 0.5 s, from a thread of its own) silent
+    longer than this is a stall its process could not see itself (stopped, frozen, swapped out):
+    the control plane records it as an incident and a ``stalled`` span once it beats again, or
+    when the run ends (``control_plane.stalls``). Training goes on; nothing is restarted."""
 
 
 class LoggingConfig(Section):
