@@ -244,20 +244,28 @@ async def test_counts_split_queued_from_in_flight(redis, keys):
 
 async def test_reserve_ends_although_the_redis_client_lost_its_cancellation(redis, keys):
     """broker.streams.raise_if_cancelled in Admission.reserve: redis-py 8.1 on Python 3.11 can
-    swallow a cancellation inside a command (the double below does what it does)."""
+    swallow a cancellation inside a command (the double below does what it does).
+
+    The cancellation lands inside the command every time (the test waits until the double is in
+    it): one that lands in reserve's own sleep between tries ends the task without the check, so
+    an earlier version that cancelled after a fixed 0.1 s caught a missing check only when that
+    instant fell inside a command (bench/mutation.py's loaded runs missed it). Without the check
+    reserve polls on until its timeout and returns a "full" decision instead of being cancelled."""
+    in_command = asyncio.Event()
 
     class Swallowing(Admission):
         async def try_reserve(self, loaded_version):
+            in_command.set()
             try:
-                await asyncio.sleep(0.02)
+                await asyncio.sleep(1.0)  # the command in flight
             except asyncio.CancelledError:
                 pass  # the command completes, the cancellation is gone
             return await super().try_reserve(loaded_version)
 
-    adm = Swallowing(redis, keys, max_staleness=0, groups_per_step=1)
-    assert (await adm.try_reserve(0)).ticket is not None  # the run is full from here on
-    task = asyncio.create_task(adm.reserve(0, timeout_s=5.0, poll_s=0.01))
-    await asyncio.sleep(0.1)
+    assert (await Admission(redis, keys, max_staleness=0, groups_per_step=1).try_reserve(0)).ticket is not None
+    adm = Swallowing(redis, keys, max_staleness=0, groups_per_step=1)  # the run is full from here on
+    task = asyncio.create_task(adm.reserve(0, timeout_s=3.0, poll_s=0.01))
+    await in_command.wait()  # the task is inside its first command now
     task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=2)
-    assert task in done and task.cancelled(), "reserve kept polling after its task was cancelled"
+    await asyncio.wait({task}, timeout=60)  # either way it ends: cancelled, or at its 3 s timeout
+    assert task.cancelled(), f"reserve kept polling after its task was cancelled: {task.result()}"
