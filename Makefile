@@ -16,8 +16,10 @@ EXTRAS := cpu,learner,reward,report,modal,data
 # browser or whole stack (the broker, control plane and reward server against a real Redis and real sandboxes).
 # The markers say what a test starts: tests/conftest.py gives vllm and deepspeed to every test that uses the
 # engine or learner fixtures, and a test that starts one itself carries the marker (pyproject.toml lists them).
-# They mostly wait (on processes starting, sandboxes, sockets), so two pytest-xdist workers run them, a test
-# file to a worker; make test stays one process.
+# Tests mostly wait (on processes starting, sandboxes, sockets): two pytest-xdist workers run them, each
+# taking a group of tests at a time (a test file; tests/conftest.py keeps the tests on the session's vLLM
+# engine together, and those that use a background build of tests/fixtures/background.py).
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not stack
 
 .PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation
@@ -27,11 +29,11 @@ run: $(STAMPS)/install
 
 test: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra $(XDIST)
 
 test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra -n 2 --dist loadfile -m "$(FAST_MARKERS)"
+	$(PY) -m pytest -q -ra $(XDIST) -m "$(FAST_MARKERS)"
 
 # make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the reliability
 # table of docs/reliability.md and writes bench/results/chaos.json (how long it takes: docs/testing.md).

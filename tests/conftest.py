@@ -43,10 +43,26 @@ through another fixture (``make test-fast`` deselects the markers; a test that s
 itself carries the marker in its module)."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    from tests.fixtures.background import uses_build
+
     for item in items:
         for marker in {m for f, m in HEAVY_FIXTURES.items() if f in item.fixturenames}:
             item.add_marker(marker)
+        if hasattr(config, "workerinput"):  # a pytest-xdist worker (make test, make test-fast)
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item, uses_build(item))))
+
+
+def _xdist_group(item, uses_build: bool) -> str:
+    """The tests one worker runs together (``--dist loadgroup``): those that use a background build
+    (tests/fixtures/background.py: the worker that runs them owns the builds), those on the session's
+    vLLM engine (one engine start, not one per worker), and otherwise a test file."""
+    if uses_build:
+        return "background-builds"
+    if "rollout_engine" in item.fixturenames:
+        return "vllm-engine"
+    return item.nodeid.split("::")[0]
 
 
 def pytest_configure(config):
