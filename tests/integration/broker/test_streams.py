@@ -339,3 +339,22 @@ async def test_read_returns_at_most_count_when_some_are_reclaimed(redis, keys):
     time.sleep(0.1)  # "old" is past its visibility timeout: reclaimed first, then new ones fill up to count
     got = await stream.read("b", count=2, block_ms=None)
     assert [d.envelope.group_id for d in got] == ["old", "new0"]
+
+
+async def test_a_producer_waiting_for_room_takes_it_soon_after_it_appears(redis, keys):
+    """Stream.add(wait_s=...) retries a full stream with a back-off from 10 ms, doubling: room that
+    appears t seconds into the wait is taken at the next try, by about 2t, not near the end of
+    wait_s (two times measured in this test; the 0.5 s is slack for a loaded machine)."""
+    stream = Stream(redis, keys, keys.prompts, "rollout", maxlen=1)
+    await stream.ensure_group()
+    await stream.add(Envelope("p0", -1, b"x"))
+    started = time.monotonic()
+    producer = asyncio.create_task(stream.add(Envelope("p1", -1, b"x"), wait_s=30))
+    await asyncio.sleep(0.05)
+    assert not producer.done()  # still waiting for room
+    await stream.ack(await stream.read("c", count=1, block_ms=None))
+    freed = time.monotonic() - started
+    await producer
+    took = time.monotonic() - started
+    assert took < 2 * freed + 0.5, f"room appeared after {freed:.2f} s, the producer took it after {took:.2f} s"
+    assert [d.envelope.group_id for d in await stream.read("c", count=10, block_ms=None)] == ["p1"]
