@@ -251,3 +251,92 @@ def write_file(path: Path, spans: list[Span]) -> None:
 
 def read_file(path: Path) -> list[Span]:
     return [Span.from_dict(json.loads(line)) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# -- the per-step breakdown ---------------------------------------------------
+
+LEARNER_ACTIVITIES = ("forward", "backward", "optimizer", "step_other", "publish", "checkpoint", "other", "read")
+"""The learner's seconds per step: busy by activity, then ``read`` (waiting for data: idle). ``step_other``
+is the step's time outside forward, backward and optimizer; ``other`` the window's time outside every span."""
+LEARNER_IDLE = frozenset({"read"})
+ROLLOUT_ACTIVITIES = ("generate", "score", "handoff", "eval_hold", "reload", "full", "stale", "idle")
+"""The rollout servers' seconds per step (summed over servers), each instant counted once, for the first
+of these that covers it: busy generating, scoring, handing off, generating held-out prompts; idle while
+reloading weights, refused by admission as ``full`` or ``stale``, or otherwise (``idle``)."""
+ROLLOUT_IDLE = frozenset({"reload", "full", "stale", "idle"})
+
+
+def _rollout_kind(s: Span) -> str | None:
+    if s.name == "admit":
+        return s.attrs.get("reason") if s.attrs.get("reason") in ("full", "stale") else None
+    return s.name if s.name in ROLLOUT_ACTIVITIES else None
+
+
+def _exclusive(intervals: list[tuple[float, float, str]], w0: float, w1: float, order: tuple[str, ...]) -> dict:
+    """Seconds of [w0, w1] per kind, each instant given to the first kind of ``order`` covering it (the last
+    kind of ``order`` takes what none covers)."""
+    rank = {k: i for i, k in enumerate(order)}
+    events = []
+    for a, b, kind in intervals:
+        a, b = max(a, w0), min(b, w1)
+        if b > a:
+            events += [(a, 1, rank[kind]), (b, -1, rank[kind])]
+    events.sort()
+    out = dict.fromkeys(order, 0.0)
+    open_ = [0] * len(order)
+    t = w0
+    for at, delta, r in events + [(w1, 0, 0)]:
+        if at > t:
+            first = next((i for i, n in enumerate(open_) if n > 0), len(order) - 1)
+            out[order[first]] += at - t
+            t = at
+        open_[r] += delta
+    return out
+
+
+def breakdown(spans: list[Span]) -> list[dict]:
+    """Per learner step: ``{"step", "t0", "t1", "learner": {activity: s}, "rollout": {activity: s}}``.
+
+    Step ``s``'s window runs from the end of step ``s - 1``'s window (the start of its first ``read`` for
+    the first step seen) to the end of its last learner span (``read``, ``step``, ``publish``,
+    ``checkpoint``), so consecutive windows tile the run. Forward, backward and optimizer spans belong
+    to the ``step`` span that contains them."""
+    learner = [s for s in spans if s.service == "learner"]
+    by_step: dict[int, list[Span]] = {}
+    for s in learner:
+        if s.name in ("read", "step", "publish", "checkpoint") and isinstance(s.attrs.get("step"), int):
+            by_step.setdefault(s.attrs["step"], []).append(s)
+    parts = [s for s in learner if s.name in ("forward", "backward", "optimizer")]
+    rollout: dict[str, list[tuple[float, float, str]]] = {}
+    for s in spans:
+        if s.service.startswith("rollout:") and (kind := _rollout_kind(s)) is not None:
+            rollout.setdefault(s.service, []).append((s.start, s.end, kind))
+    lives = {server: (min(i[0] for i in iv), max(i[1] for i in iv)) for server, iv in rollout.items()}
+    out: list[dict] = []
+    prev_end: float | None = None
+    for step in sorted(by_step):
+        own = by_step[step]
+        w0 = prev_end if prev_end is not None else min(s.start for s in own)
+        w1 = max(s.end for s in own)
+        if w1 <= w0:
+            continue
+        secs = dict.fromkeys(LEARNER_ACTIVITIES, 0.0)
+        for s in own:
+            if s.name == "step":
+                inner = {k: sum(p.end - p.start for p in parts if p.name == k and s.start <= p.start and p.end <= s.end)
+                         for k in ("forward", "backward", "optimizer")}
+                for k, v in inner.items():
+                    secs[k] += v
+                secs["step_other"] += max(0.0, (s.end - s.start) - sum(inner.values()))
+            else:
+                secs[s.name] += max(0.0, min(s.end, w1) - max(s.start, w0))
+        secs["other"] = max(0.0, (w1 - w0) - sum(secs.values()))
+        roll = dict.fromkeys(ROLLOUT_ACTIVITIES, 0.0)
+        for server, intervals in rollout.items():  # a server counts from its first span to its last
+            a, b = max(w0, lives[server][0]), min(w1, lives[server][1])
+            if b > a:
+                for k, v in _exclusive(intervals, a, b, ROLLOUT_ACTIVITIES).items():
+                    roll[k] += v
+        out.append({"step": step, "t0": w0, "t1": w1, "learner": secs, "rollout": roll})
+        prev_end = w1
+    return out
