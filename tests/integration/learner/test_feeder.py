@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
 
 from learner.feeder import DataTimeout
@@ -194,3 +198,21 @@ async def test_a_step_reads_only_the_groups_it_still_needs(redis, keys):
     batch = await feeder.next_batch(0, 3, timeout_s=5)
     assert len(batch) == 3 and not feeder.buffer
     assert await feeder.stream.pending() == 3  # two more read for it; two left unread for later
+
+
+async def test_a_stop_while_waiting_for_data_is_seen_at_the_end_of_the_current_read(redis, keys):
+    """next_batch reads in blocks of at most 1 s and looks at ``stop`` between them, so a learner told to
+    stop while no data comes returns None when the read it is in ends. Compared with the time one such
+    read takes in this test (a DataTimeout after timeout_s=1.0 is one 1 s read), so load slows both."""
+    feeder = feeder_for(redis, keys, eta=1)
+    await feeder.start()
+    started = time.monotonic()
+    with pytest.raises(DataTimeout):
+        await feeder.next_batch(0, 1, timeout_s=1.0)
+    one_read = time.monotonic() - started
+    stop = threading.Event()
+    started = time.monotonic()
+    asyncio.get_running_loop().call_later(0.2, stop.set)  # inside the first read
+    assert await feeder.next_batch(0, 1, timeout_s=30, stop=stop) is None
+    took = time.monotonic() - started
+    assert took < 1.5 * one_read, f"stopped after {took:.2f} s; one read takes {one_read:.2f} s"
