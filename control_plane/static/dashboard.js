@@ -11,12 +11,24 @@ const HEIGHT = 240;
 const COLORS = ["#1a56c4", "#d1495b", "#2a9d8f", "#e9a23b", "#7b4fb3"];
 const BOUND_COLOR = "#b3261e";
 const STEP_TICKS = [1, 10, 100, 1000, 10000, 100000].flatMap((e) => [e, 2 * e, 5 * e]); // steps are whole numbers
+// Metrics drawn on a scale of their own, on the right (a cumulative count beside a lag of 0..η).
+const RIGHT_SCALE = { stale_dropped: "stale drops (cumulative)" };
+const BREAKDOWN_EVERY = 5; // polls between two reads of the per-step breakdown
+const BREAKDOWN_STEPS = 40;
+const BAR_HEIGHT = 150;
+const ACTIVITY_COLORS = {
+  forward: "#1a56c4", backward: "#7b4fb3", optimizer: "#2a9d8f", step_other: "#6c8ebf", publish: "#e9a23b",
+  checkpoint: "#9a6700", other: "#c9ced6", read: "#f2b8b5",
+  generate: "#1a56c4", score: "#2a9d8f", handoff: "#6c8ebf", eval_hold: "#e9a23b",
+  reload: "#d1495b", full: "#f2b8b5", stale: "#b3261e", idle: "#e3e6eb",
+};
 
 const params = new URLSearchParams(location.search);
 let selected = params.get("run");
 let layout = null;
 let points = [];
 let next = null;
+let polls = 0;
 const charts = new Map(); // chart id -> {fig, box, plot, labels, bound}
 
 async function getJSON(path) {
@@ -149,21 +161,32 @@ function drawBound(u, bound) {
 function makePlot(chart, keys, data) {
   // The legend shows each series' latest value, or the value under the cursor.
   const value = (u, v, sidx, idx) => fmt(idx === null || idx === undefined ? latest(u.data[sidx]) : v);
+  const scaleOf = (k) => (k.name in RIGHT_SCALE ? k.name : "y");
+  const right = [...new Set(keys.map(scaleOf).filter((s) => s !== "y"))];
+  const scales = { x: { time: false }, y: { range: (_u, lo, hi) => yRange(lo, hi, chart.bound) } };
+  for (const s of right) scales[s] = { range: (_u, lo, hi) => yRange(lo, hi, null) };
   const opts = {
     width: chart.box.clientWidth || 440,
     height: HEIGHT,
-    scales: { x: { time: false }, y: { range: (_u, lo, hi) => yRange(lo, hi, chart.bound) } },
-    axes: [{ label: "step", incrs: STEP_TICKS }, {}],
+    scales,
+    axes: [{ label: "step", incrs: STEP_TICKS }, {},
+      ...right.map((s) => ({ scale: s, side: 1, label: RIGHT_SCALE[s], grid: { show: false } }))],
     series: [
       { label: "step", value },
-      ...keys.map((k, i) => ({ label: k.label, stroke: COLORS[i % COLORS.length], width: 1.6, spanGaps: true, value })),
+      ...keys.map((k, i) => ({ label: k.label, stroke: COLORS[i % COLORS.length], width: 1.6, spanGaps: true, value,
+        scale: scaleOf(k) })),
     ],
     hooks: {
       draw: [(u) => {
         drawBound(u, chart.bound);
-        // what uPlot has just drawn, per series (the headless-browser test reads it)
+        // what uPlot has just drawn, per series, and each series' scale with its range (the headless-browser
+        // test reads them)
         const drawn = Object.fromEntries(keys.map((k, j) => [k.label, u.data[j + 1].filter((v) => v !== null).length]));
         chart.fig.dataset.drawn = JSON.stringify(drawn);
+        chart.fig.dataset.scales = JSON.stringify(Object.fromEntries(keys.map((k) => {
+          const sc = u.scales[scaleOf(k)];
+          return [k.label, [scaleOf(k), sc.min, sc.max]];
+        })));
       }],
     },
   };
@@ -197,6 +220,62 @@ function renderCharts(status) {
   }
 }
 
+// The per-step breakdown: for each of the last steps, one stacked bar for the learner and one for the
+// rollout servers, busy by activity at the bottom, idle by reason on top (heights in seconds).
+function renderBreakdown(b) {
+  let fig = document.getElementById("chart-breakdown");
+  if (!fig) {
+    fig = el("figure", { id: "chart-breakdown" });
+    fig.append(el("figcaption", {}, "Where each step's time went (seconds; busy below, idle above)"));
+    for (const side of ["learner", "rollout"]) {
+      const panel = el("div", { class: "breakdown", "data-side": side });
+      panel.append(el("div", { class: "breakdown-title" }, side === "learner" ? "learner" : "rollout servers (summed)"),
+        el("div", { class: "bars" }), el("ul", { class: "breakdown-legend" }));
+      fig.append(panel);
+    }
+    document.getElementById("charts").append(fig);
+  }
+  const steps = b.steps;
+  const totals = {};
+  let max = 0;
+  for (const s of steps) for (const side of ["learner", "rollout"]) {
+    max = Math.max(max, Object.values(s[side]).reduce((x, y) => x + y, 0));
+  }
+  for (const side of ["learner", "rollout"]) {
+    const { activities, idle } = b[side];
+    const order = [...activities.filter((a) => !idle.includes(a)), ...activities.filter((a) => idle.includes(a))];
+    const panel = fig.querySelector(`[data-side="${side}"]`);
+    const bars = panel.querySelector(".bars");
+    bars.replaceChildren();
+    totals[side] = Object.fromEntries(order.map((a) => [a, 0]));
+    for (const s of steps) {
+      const bar = el("div", { class: "bar", "data-step": s.step });
+      for (const a of order) {
+        const secs = s[side][a] || 0;
+        totals[side][a] += secs;
+        if (secs <= 0) continue;
+        const seg = el("div", { class: idle.includes(a) ? "seg idle" : "seg", title: `step ${s.step} · ${a} ${fmt(secs)} s` });
+        seg.style.height = `${(secs / (max || 1)) * BAR_HEIGHT}px`;
+        seg.style.background = ACTIVITY_COLORS[a] || "#8a93a3";
+        bar.append(seg);
+      }
+      bars.append(bar);
+    }
+    const legend = panel.querySelector(".breakdown-legend");
+    legend.replaceChildren();
+    const all = Object.values(totals[side]).reduce((x, y) => x + y, 0) || 1;
+    for (const a of order) {
+      const swatch = el("span", { class: "swatch" });
+      swatch.style.background = ACTIVITY_COLORS[a] || "#8a93a3";
+      const item = el("li", { class: idle.includes(a) ? "idle" : "" });
+      item.append(swatch, document.createTextNode(`${a}${idle.includes(a) ? " (idle)" : ""} ${(100 * totals[side][a] / all).toFixed(0)}%`));
+      legend.append(item);
+    }
+  }
+  // what was drawn: seconds per activity over the steps shown (the headless-browser test reads it)
+  fig.dataset.breakdown = JSON.stringify({ steps: steps.map((s) => s.step), ...totals });
+}
+
 async function refresh() {
   const err = document.getElementById("error");
   try {
@@ -217,6 +296,9 @@ async function refresh() {
       renderIncidents(status);
       document.getElementById("run").hidden = false;
       renderCharts(status);
+      if (polls++ % BREAKDOWN_EVERY === 0) {
+        renderBreakdown(await getJSON(`/v1/runs/${encodeURIComponent(selected)}/breakdown?steps=${BREAKDOWN_STEPS}`));
+      }
     }
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;
     document.body.dataset.ready = "1";

@@ -29,6 +29,7 @@ from starlette.responses import PlainTextResponse
 
 from broker import Keys
 from control_plane.dashboard import CSP, STATIC
+from services import timeline
 from services.evaluate import EvalLog, EvalResult
 from services.runs import CHARTS, METRICS, MetricsLog, RunStore
 from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config
@@ -60,6 +61,11 @@ class Charts(HTMLParser):
         self.text: list[str] = []
         self.error: list[str] = []
         self.in_error = False
+        self.scales: dict[str, dict] = {}  # chart id -> series label -> [scale, min, max]
+        self.breakdown: dict | None = None
+        self.side: str | None = None
+        self.bars: dict[str, int] = {}
+        self.segments: dict[str, dict[str, int]] = {}
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
@@ -82,6 +88,18 @@ class Charts(HTMLParser):
                 self.cell = "value"
         if a.get("id") == "error":
             self.in_error = "hidden" not in a
+        if tag == "figure" and "data-scales" in a:
+            self.scales[a["data-chart"]] = json.loads(a["data-scales"])
+        if a.get("id") == "chart-breakdown" and "data-breakdown" in a:
+            self.breakdown = json.loads(a["data-breakdown"])
+        if tag == "div" and "data-side" in a:
+            self.side = a["data-side"]
+        if tag == "div" and "bar" in classes and "data-step" in a:
+            self.bars[self.side] = self.bars.get(self.side, 0) + 1
+        if tag == "div" and "seg" in classes:  # the segments drawn, by activity (their tooltip names it)
+            activity = a["title"].split(" · ")[1].rsplit(" ", 2)[0]
+            self.segments.setdefault(self.side, {}).setdefault(activity, 0)
+            self.segments[self.side][activity] += 1
 
     def handle_endtag(self, tag):
         if tag in ("div", "td"):
@@ -152,7 +170,7 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
             for step in range(1, STEPS + 1):
                 await log.append(
                     "learner", step, reward_mean=0.1 * step, loss=1 / step, kl=0.01 * step, entropy=2.0,
-                    lag_max=1, lag_mean=0.5, stale_dropped=step // 3, learner_tokens_per_s=800 + step,
+                    lag_max=1, lag_mean=0.5, stale_dropped=40 * step, learner_tokens_per_s=800 + step,
                     learner_idle_frac=0.2,
                 )
                 await log.append("rollout:r0", step, rollout_tokens_per_s=4000 + step, rollout_idle_frac=0.1)
@@ -162,6 +180,11 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
             await evals.record(STEPS, EvalResult(0.8, 0.8, 200, frozenset({STEPS}), 0, samples=4,
                                                  pass_at={1: 0.8, 2: 0.875, 4: 0.95}), "rollout:r0")
             await store.update(run_id, step=STEPS, policy_version=STEPS)
+            spans = _timeline_of_steps(STEPS)
+            await timeline.append(control_redis, Keys(run_id), spans)
+            expected = (await client.get(f"/v1/runs/{run_id}/breakdown")).json()
+            assert [s["step"] for s in expected["steps"]] == list(range(1, STEPS + 1))
+            assert expected["steps"] == timeline.breakdown(spans)
             points = (await client.get(f"/v1/runs/{run_id}/metrics")).json()["points"]
             page = await client.get("/")
             assert page.headers["content-security-policy"] == CSP
@@ -199,6 +222,40 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
     assert drawn["idle"] == {"rollout_idle_frac": STEPS, "learner_idle_frac": STEPS}
     assert drawn["loss"] == {"loss": STEPS, "kl": STEPS, "entropy": STEPS}
     assert page.charts["reward"]["legend"][0] == ["step", str(STEPS)]
+    # the lag (0..eta) and the cumulative stale drops (tens to hundreds) on scales of their own
+    scales = page.scales["staleness"]
+    assert scales["lag_max"][0] == scales["lag_mean"][0] == "y" and scales["stale_dropped"][0] == "stale_dropped"
+    assert scales["lag_max"][2] < 2 and scales["stale_dropped"][2] >= 40 * STEPS, scales
+    # the per-step breakdown: every step stacked, the seconds the API computed from the spans
+    shown = page.breakdown
+    assert shown["steps"] == list(range(1, STEPS + 1))
+    for side in ("learner", "rollout"):
+        for activity, secs in shown[side].items():
+            assert math.isclose(secs, sum(s[side][activity] for s in expected["steps"]), abs_tol=1e-6), (side, activity)
+    assert math.isclose(shown["learner"]["read"], STEPS * 0.5, abs_tol=1e-3)
+    assert math.isclose(shown["rollout"]["full"], STEPS * 0.3, abs_tol=1e-3)
+    assert page.bars == {"learner": STEPS, "rollout": STEPS}
+    assert page.segments == {"learner": dict.fromkeys(["forward", "backward", "optimizer", "step_other", "read"], STEPS),
+                             "rollout": dict.fromkeys(["generate", "full"], STEPS)}, page.segments
+    assert "read (idle)" in text and "generate" in text
+
+
+def _timeline_of_steps(n: int) -> list[timeline.Span]:
+    """Spans of ``n`` 2-second steps: the learner reads 0.5 s, steps 1.5 s (forward 0.5, backward 0.7,
+    optimizer 0.1); the rollout server waits 0.3 s on a full admission, then generates 1.7 s."""
+    spans, t = [], 1_700_000_000.0
+    for step in range(1, n + 1):
+        spans += [
+            timeline.Span("read", "learner", "rank0", t, t + 0.5, {"step": step}),
+            timeline.Span("step", "learner", "rank0", t + 0.5, t + 2.0, {"step": step}),
+            timeline.Span("forward", "learner", "rank0", t + 0.5, t + 1.0, {"micro_batch": 0}),
+            timeline.Span("backward", "learner", "rank0", t + 1.0, t + 1.7, {"micro_batch": 0}),
+            timeline.Span("optimizer", "learner", "rank0", t + 1.7, t + 1.8, {}),
+            timeline.Span("admit", "rollout:r0", "admit", t, t + 0.3, {"reason": "full"}),
+            timeline.Span("generate", "rollout:r0", "groups", t + 0.3, t + 2.0, {"group": f"g{step}"}),
+        ]
+        t += 2.0
+    return spans
 
 
 class AppendAfterFirstPoll:
