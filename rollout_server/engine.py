@@ -24,7 +24,10 @@ resumes. The prefix cache is cleared during the pause (vLLM's
 ``clear_cache``), so no KV computed by old weights is reused. The weights are
 then reloaded in place (``collective_rpc("reload_weights")``) and the new
 version is registered as vLLM's weight-version label. A drain therefore
-costs at most the time to finish the longest request in flight. A reload
+costs at most the time to finish the longest request in flight. An engine
+that serves LoRA adapters (``rollout_server.adapters``) swaps the adapter in
+the same pause instead, and holds back requests that arrive meanwhile until
+the new one is in place. A reload
 runs to its end even when its caller is cancelled (an actor whose run ended):
 stopped between pause and resume, it would leave vLLM's scheduler paused.
 
@@ -66,6 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollout_server.adapters import AdapterTransport, Serving, lora_engine_args
 from rollout_server.metrics import RolloutMetrics, stat_logger_factory
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import (
@@ -189,7 +193,11 @@ class RolloutEngine:
         self.uri = uri or str(model_dir)
         self.reload_s: float | None = None
         self.transports: list[WeightTransport] = [FilesystemTransport(checkpoint_signature(model_dir))]
+        self.adapters: AdapterTransport | None = None
+        """Set when vLLM serves LoRA adapters (``rollout_server.adapters``): versions are adapters on the base."""
         self._reload_lock = asyncio.Lock()
+        self._swapped = asyncio.Event()  # cleared while a reload has vLLM paused: no request picks an adapter
+        self._swapped.set()
         self.limits = WatchdogConfig()
         """Bounds on reloads and generate calls (the run config's ``[watchdog]``; see :meth:`watch`)."""
         self.incidents: watchdog.IncidentSink | None = None
@@ -212,8 +220,12 @@ class RolloutEngine:
         max_model_len: int | None = None,
         dtype: str | None = None,
         version: int = 0,
+        lora_rank: int | None = None,
     ) -> RolloutEngine:
-        """Start vLLM on ``model_dir`` (spawns the engine-core process; tens of seconds on CPU)."""
+        """Start vLLM on ``model_dir`` (spawns the engine-core process; tens of seconds on CPU).
+
+        ``lora_rank``: serve weight versions as LoRA adapters up to this rank on the model's own weights
+        (``rollout_server.adapters``; a run with ``publish.lora_format = "adapter"``)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.outputs import CompletionOutput
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -251,6 +263,7 @@ class RolloutEngine:
             disable_log_stats=True,
             enable_log_requests=False,
             worker_extension_cls="rollout_server.worker_ext.TandemWorkerExtension",
+            **(lora_engine_args(lora_rank) if lora_rank else {}),
         )
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])
@@ -268,6 +281,9 @@ class RolloutEngine:
                 volume=settings.run_dir_volume,
             )
             await engine._load_tokenizer()
+            if lora_rank:
+                engine.adapters = AdapterTransport(model_dir, checkpoint_signature(model_dir), args.max_lora_rank, version)
+                engine.transports = [engine.adapters]
         except BaseException:
             llm.shutdown()
             raise
@@ -409,7 +425,9 @@ class RolloutEngine:
             # a TokensPrompt dict: accepted by every vLLM version (newer ones log a
             # one-time deprecation note in favour of their Renderer API)
             async with asyncio.timeout(limit):  # cancelling vLLM's generate aborts the request
-                async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                serving = await self._serving()
+                async for out in self.llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
+                                                   lora_request=serving and serving.lora):
                     final = out
         except TimeoutError:
             self.metrics.requests.labels(source, "stalled").inc()
@@ -423,11 +441,19 @@ class RolloutEngine:
         if final is None or not final.finished:
             self.metrics.requests.labels(source, "error").inc()
             raise RuntimeError(f"request {request_id} ended without a final output")
-        samples = [self._sample(c, request_id) for c in sorted(final.outputs, key=lambda c: c.index)]
+        samples = [self._sample(c, request_id, serving) for c in sorted(final.outputs, key=lambda c: c.index)]
         self.metrics.requests.labels(source, "ok").inc()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.metrics.generated_tokens.inc(sum(len(s.token_ids) for s in samples))
         return Generation(list(final.prompt_token_ids or prompt_token_ids), samples)
+
+    async def _serving(self) -> Serving | None:
+        """The adapter a request is sent with and its version (None: the engine serves full weights).
+        During a reload's swap it waits for the new adapter, so a request arriving then starts on it."""
+        if self.adapters is None:
+            return None
+        await self._swapped.wait()
+        return self.adapters.serving
 
     async def _generate_stalled(self, request_id: str, sampling: Sampling, waited_s: float) -> Exception:
         """A generate call outlived ``watchdog.generate_s`` (vLLM aborted it when it was cancelled).
@@ -465,7 +491,7 @@ class RolloutEngine:
             return False
         return True
 
-    def _sample(self, c: Any, request_id: str) -> Sample:
+    def _sample(self, c: Any, request_id: str, serving: Serving | None = None) -> Sample:
         token_ids = list(c.token_ids)
         if c.logprobs is None or len(c.logprobs) != len(token_ids):
             raise RuntimeError(f"{request_id}: vLLM returned no logprobs for every sampled token")
@@ -478,6 +504,8 @@ class RolloutEngine:
                 raise RuntimeError(f"{request_id}: non-finite logprob {lp} for sampled token {tok}")
             logprobs.append(min(lp, 0.0))
         versions = sorted({int(s.version) for s in (c.weight_versions or []) if s.end > s.start})
+        if serving is not None:  # the adapter it was sent with is the policy that sampled it
+            versions = [serving.version]
         if not versions:
             if token_ids:
                 raise RuntimeError(f"{request_id}: vLLM reported no weight version for the sampled tokens")
@@ -604,8 +632,13 @@ class RolloutEngine:
         request = prepared.request
         what = f"reload of version {request.version}"
         # "wait": in-flight requests finish on the old weights; new ones queue (module docstring)
-        await self._within(self.llm.pause_generation(mode="wait", clear_cache=True), what=what,
-                           on="requests in flight to finish (vLLM pause, wait mode)", drain=True)
+        self._swapped.clear()
+        try:
+            await self._within(self.llm.pause_generation(mode="wait", clear_cache=True), what=what,
+                               on="requests in flight to finish (vLLM pause, wait mode)", drain=True)
+        except BaseException:
+            self._swapped.set()
+            raise
         try:
             try:
                 await self._within(transport.apply(self.llm, prepared), what=what,
@@ -623,8 +656,11 @@ class RolloutEngine:
             self.uri = request.uri
             self.metrics.version.set(request.version)
         finally:
-            if self._broken is None:
-                await self._within(self.llm.resume_generation(), what=what, on="vLLM resuming generation")
+            try:
+                if self._broken is None:
+                    await self._within(self.llm.resume_generation(), what=what, on="vLLM resuming generation")
+            finally:
+                self._swapped.set()
 
     async def _restore(self, error: Exception, request: LoadWeights) -> None:
         """A reload failed inside vLLM, possibly half way: put the previous version back."""

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from broker import Keys, connect
 from rollout_server.actor import Actor, cancel_and_wait, reward_client
+from rollout_server.adapters import misfit
 from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
@@ -44,6 +45,9 @@ async def follow_runs(
                 log.error("not serving run %s: it trains %s, this server serves %s",
                           run.run_id, run.config.model.path, engine.model_dir)
                 continue  # the watcher does not offer it again
+            if (why := misfit(run.config, engine.adapters)) is not None:
+                log.error("not serving run %s: %s", run.run_id, why)
+                continue
             await engine.reset_to_base()  # a previous run left its last version loaded
             keys = Keys(run.run_id)
             reward = reward_client(rs, redis, keys, run.config)

@@ -61,6 +61,11 @@ class RolloutSettings(WorkerSettings):
     the behaviour policy the learner's ratio needs (it divides its logits by T).
     ``raw_logprobs``: log-softmax of the model's logits whatever the sampling parameters
     (the temperature-1 policy); wrong for training at T != 1."""
+    lora_rank: int | None = Field(default=None, ge=1)
+    """Serve weight versions as LoRA adapters up to this rank (vLLM ``enable_lora``; see
+    ``rollout_server.adapters``). Default: the run config's ``learner.lora.r`` when it has
+    ``publish.lora_format = "adapter"``, else full weights. Set it for a server started without a run
+    config (``tandem up``'s stack) that is to serve adapter runs."""
     seed: int = Field(default=0)
     """Engine seed (requests without a seed draw from it)."""
     actor_concurrency: int = Field(default=32, ge=1)
