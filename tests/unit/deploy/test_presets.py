@@ -75,7 +75,7 @@ def test_preset_config_loads_and_fits_its_noted_plan(path: Path):
         # the planner counts a rank-r adapter on q/k/v/o
         assert sorted(cfg.learner.lora.target_modules) == ["k_proj", "o_proj", "q_proj", "v_proj"]
         kwargs["lora_rank"] = cfg.learner.lora.r
-        assert cfg.publish.lora_format == "merged"  # full weights, what vLLM's in-place reload loads
+        assert cfg.publish.lora_format == "adapter"  # the rollout server serves each version as a LoRA adapter
 
     result = planner.plan(p, mode, str(opts["gpus"]), zero_stage=cfg.learner.zero_stage, offload=offload, **kwargs)
     assert result.fits, f"{path.name}: {result.label} needs {result.total:.1f} GB per GPU > {result.budget:.1f}"
