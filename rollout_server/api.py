@@ -30,7 +30,7 @@ from redis.exceptions import RedisError
 
 from broker import Keys, WeightRegistry, WeightVersion, connect
 from broker.ledger import Ledger
-from rollout_server.engine import EngineDead, InvalidRequest, RolloutEngine, Sampling
+from rollout_server.engine import EngineDead, Generation, InvalidRequest, RolloutEngine, Sampling
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import WeightLoadError, confine
 from services import weightstore
@@ -63,6 +63,35 @@ def _engine(request: Request) -> RolloutEngine:
     return engine
 
 
+async def run_generation(request: Request, ids: list[int], sampling: Sampling, *, prompt_field: str) -> Generation:
+    """Generate for one HTTP request (``/v1/generate`` and the OpenAI routes of ``openai_api``): what the
+    engine cannot serve is a 422 naming the field, sequences beyond ``max_pending_seqs`` a 503."""
+    engine = _engine(request)
+    try:
+        engine.check(ids, sampling, prompt_field=prompt_field)
+    except InvalidRequest as e:
+        raise invalid(e.field, e.message) from e
+    pending: Pending = request.app.state.pending
+    if pending.seqs + sampling.n > pending.limit:
+        engine.metrics.requests.labels("http", "over_capacity").inc()
+        raise ServiceError(
+            503,
+            f"over capacity: {pending.seqs} sequences in flight, limit {pending.limit}",
+            retry_after=1,
+        )
+    pending.seqs += sampling.n
+    engine.metrics.pending_seqs.set(pending.seqs)
+    try:
+        return await engine.generate(ids, sampling, source="http")
+    except InvalidRequest as e:
+        raise invalid(e.field, e.message) from e
+    except EngineDead as e:
+        raise ServiceError(503, f"engine unavailable: {e}", retry_after=5) from e
+    finally:
+        pending.seqs -= sampling.n
+        engine.metrics.pending_seqs.set(pending.seqs)
+
+
 @router.post(
     "/v1/generate",
     response_model=GenerateResponse,
@@ -91,30 +120,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         stop=tuple(body.stop),
         seed=body.seed,
     )
-    try:
-        engine.check(ids, sampling, prompt_field=field)
-    except InvalidRequest as e:
-        raise invalid(e.field, e.message) from e
-
-    pending: Pending = request.app.state.pending
-    if pending.seqs + body.n > pending.limit:
-        engine.metrics.requests.labels("http", "over_capacity").inc()
-        raise ServiceError(
-            503,
-            f"over capacity: {pending.seqs} sequences in flight, limit {pending.limit}",
-            retry_after=1,
-        )
-    pending.seqs += body.n
-    engine.metrics.pending_seqs.set(pending.seqs)
-    try:
-        gen = await engine.generate(ids, sampling, source="http")
-    except InvalidRequest as e:
-        raise invalid(e.field, e.message) from e
-    except EngineDead as e:
-        raise ServiceError(503, f"engine unavailable: {e}", retry_after=5) from e
-    finally:
-        pending.seqs -= body.n
-        engine.metrics.pending_seqs.set(pending.seqs)
+    gen = await run_generation(request, ids, sampling, prompt_field=field)
     out = GenerateResponse(
         prompt_token_ids=gen.prompt_token_ids, samples=gen.samples, logprobs_mode=engine.logprobs_mode
     )

@@ -25,6 +25,7 @@ from rollout_server.adapters import lora_rank
 from rollout_server.api import Pending, router
 from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
+from rollout_server.openai_api import router as openai_router
 from rollout_server.settings import RolloutSettings
 from services.app import create_app
 from services.config import RunConfig
@@ -106,6 +107,7 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
     app.state.pending = Pending(rs.max_pending_seqs)
     app.state.request_exit = None
     app.include_router(router)
+    app.include_router(openai_router)  # OpenAI-compatible routes and vLLM's token-in route
     return app
 
 

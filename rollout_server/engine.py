@@ -114,6 +114,7 @@ class Sampling:
     top_k: int = 0
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
 
 
@@ -140,7 +141,7 @@ def checkpoint_dtype(model_dir: Path) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
-def render_chat(tokenizer: Any, messages: list[Message], chat_template_kwargs: dict,
+def render_chat(tokenizer: Any, messages: list[Message] | list[dict], chat_template_kwargs: dict,
                 model_dir: Path | str = "the model") -> tuple[str, list[int]]:
     """(text, token ids) of chat ``messages`` as ``tokenizer``'s own chat template renders them, the
     assistant's turn opened (``add_generation_prompt``), ``chat_template_kwargs`` passed to the template.
@@ -153,7 +154,8 @@ def render_chat(tokenizer: Any, messages: list[Message], chat_template_kwargs: d
     if getattr(tokenizer, "chat_template", None) is None:
         raise InvalidRequest("messages", f"the tokenizer of {model_dir} has no chat template; send a prompt instead")
     try:
-        text = tokenizer.apply_chat_template([m.model_dump() for m in messages], tokenize=False,
+        text = tokenizer.apply_chat_template([m if isinstance(m, dict) else m.model_dump() for m in messages],
+                                             tokenize=False,
                                              add_generation_prompt=True, **chat_template_kwargs)
     except (jinja2.TemplateError, ValueError, TypeError) as e:
         raise InvalidRequest("messages", f"the chat template refused these messages: {e}") from e
@@ -355,6 +357,11 @@ class RolloutEngine:
         tok = self.llm.get_tokenizer()
         self._tokenizer = await tok if inspect.isawaitable(tok) else tok  # async in older vLLM
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, as vLLM loaded it (the chat template's and the decoder's)."""
+        return self._tokenizer
+
     def tokenize(self, text: str) -> list[int]:
         # add_special_tokens=True is what vLLM does for completion prompts
         return list(self._tokenizer.encode(text, add_special_tokens=True))
@@ -401,6 +408,7 @@ class RolloutEngine:
             top_k=s.top_k if s.top_k > 0 else 0,
             max_tokens=s.max_tokens,
             stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
             seed=s.seed,
             logprobs=0,  # only the sampled token's log-probability
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step outputs: less work per token
