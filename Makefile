@@ -20,6 +20,8 @@ EXTRAS := cpu,learner,reward,report,modal,data
 # taking a group of tests at a time (a test file; tests/conftest.py keeps the tests on the session's vLLM
 # engine together, and those that use a background build of tests/fixtures/background.py).
 XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+# Both write a JUnit report: `.venv/bin/python bench/test_times.py` prints the time per test file.
+REPORT := --junitxml=$(VENV)/test-report.xml
 FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not stack
 
 .PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation
@@ -29,11 +31,11 @@ run: $(STAMPS)/install
 
 test: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra $(XDIST)
+	$(PY) -m pytest -q -ra $(XDIST) $(REPORT)
 
 test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra $(XDIST) -m "$(FAST_MARKERS)"
+	$(PY) -m pytest -q -ra $(XDIST) $(REPORT) -m "$(FAST_MARKERS)"
 
 # make chaos: every fault of the reliability suite (tests/chaos) during a 60-step run; prints the reliability
 # table of docs/reliability.md and writes bench/results/chaos.json (how long it takes: docs/testing.md).
