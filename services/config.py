@@ -267,7 +267,9 @@ class PublishConfig(Section):
     lora_format: Literal["merged", "adapter"] = "merged"
     """With ``learner.lora``: publish full weights with the adapter merged in (what vLLM's in-place
     ``reload_weights`` loads), or only the adapter in PEFT format (``adapter_model.safetensors`` +
-    ``adapter_config.json``; far fewer bytes, for a rollout engine that serves LoRA adapters)."""
+    ``adapter_config.json``; far fewer bytes: MBs, not the model). The rollout server then starts vLLM with
+    LoRA for rank ``learner.lora.r`` and serves each version as an adapter on the base weights
+    (``rollout_server.adapters``)."""
 
 
 class EvalConfig(Section):
