@@ -23,6 +23,7 @@ returned, and the learner keeps running.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +35,11 @@ from services.wire import TrajectoryGroup
 
 @dataclass(frozen=True)
 class TrainSeq:
-    """One completion to train on: prompt and completion ids, behaviour log-probs, A_i and c_i."""
+    """One completion to train on: prompt and completion ids, behaviour log-probs, A_i and c_i.
+
+    ``trained``: for an episode (``services.wire.ScoredSample.mask``), 1 on the completion tokens the model
+    generated and 0 on tool observations, which are read (the model attends to them) but never scored:
+    no gradient, no KL or entropy, no count in the aggregation. None: every completion token is trained."""
 
     group_id: str
     prompt: tuple[int, ...]
@@ -42,10 +47,16 @@ class TrainSeq:
     behav: tuple[float, ...]
     advantage: float
     coef: float
+    trained: tuple[int, ...] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.completion)
+
+    @property
+    def scored(self) -> int:
+        """Completion tokens the loss scores (the model's own)."""
+        return len(self.completion) if self.trained is None else sum(self.trained)
 
 
 def check_group(group: TrajectoryGroup, vocab_size: int, max_len: int) -> str | None:
@@ -80,20 +91,21 @@ def build_batch(groups: Sequence[TrajectoryGroup], cfg: LossConfig, max_tokens: 
     overlong-filtered and empty completions are then left out, and the
     aggregation weights are computed over the rows that remain.
     """
-    rows: list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[float, ...], float]] = []
+    rows: list[TrainSeq] = []
     for g in groups:
         advs = group_advantages([s.reward for s in g.samples], cfg.advantage)
         for s, a in zip(g.samples, advs, strict=True):
-            if not s.token_ids:
-                continue  # nothing to learn from an empty completion
+            if not s.token_ids or (s.mask and not any(s.mask)):
+                continue  # nothing to learn from an empty completion (or one of observations only)
             if cfg.drop_overlong and s.finish_reason == "length":
                 continue
-            rows.append((g.group_id, tuple(g.prompt_token_ids), tuple(s.token_ids), tuple(s.logprobs), a))
+            rows.append(TrainSeq(g.group_id, tuple(g.prompt_token_ids), tuple(s.token_ids), tuple(s.logprobs), a, 0.0,
+                                 tuple(s.mask) if s.mask and not all(s.mask) else None))
     if not rows:
         return []
     norm = cfg.norm_tokens or max_tokens * len(rows)
-    coefs = aggregation_coefs(cfg.aggregation, [len(r[2]) for r in rows], norm)
-    return [TrainSeq(gid, p, c, b, a, k) for (gid, p, c, b, a), k in zip(rows, coefs, strict=True)]
+    coefs = aggregation_coefs(cfg.aggregation, [r.scored for r in rows], norm)
+    return [dataclasses.replace(r, coef=k) for r, k in zip(rows, coefs, strict=True)]
 
 
 def split_ranks(seqs: Sequence[TrainSeq], world: int) -> list[list[TrainSeq]]:
@@ -155,7 +167,7 @@ def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dic
 
     For the loss, one row per completion, right-padded to the longest less one
     (``T``) and aligned with the position that predicts each next token:
-    ``targets``, ``mask`` (1 on completion tokens), ``behav``, ``coef``
+    ``targets``, ``mask`` (1 on completion tokens, but an episode's observation tokens), ``behav``, ``coef``
     ``[B, T]`` and ``advantages`` ``[B]``.
 
     For the model: padded, ``input_ids`` and ``attention_mask`` ``[B, L]``;
@@ -183,10 +195,14 @@ def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dic
         targets[i, : len(ids) - 1] = torch.tensor(ids[1:], dtype=torch.long)
         p, c = len(s.prompt), len(s.completion)
         # completion token j sits at position p + j and is predicted by the output at p + j - 1
-        if not dummy:
+        if not dummy and s.trained is None:
             mask[i, p - 1 : p - 1 + c] = 1.0
             index.extend(range(start + p - 1, start + p - 1 + c))
             tokens.extend(s.completion)
+        elif not dummy:  # an episode: its observation tokens are context, never scored
+            mask[i, p - 1 : p - 1 + c] = torch.tensor(s.trained, dtype=torch.float32)
+            index.extend(start + p - 1 + j for j, t in enumerate(s.trained) if t)
+            tokens.extend(tok for tok, t in zip(s.completion, s.trained, strict=True) if t)
         behav[i, p - 1 : p - 1 + c] = torch.tensor(s.behav, dtype=torch.float32)
         coef[i, p - 1 : p - 1 + c] = s.coef
         adv[i] = s.advantage

@@ -217,7 +217,7 @@ class LearnerEngine:
         with self._collective("all_reduce(MAX) of the micro-batch count", in_step=True):
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MAX)
         mbs = mbs + [[] for _ in range(int(n) - len(mbs))]
-        chunks = torch.tensor([chunk_count(sum(len(s.completion) for s in mb), lc.logit_chunk_tokens) for mb in mbs],
+        chunks = torch.tensor([chunk_count(sum(s.scored for s in mb), lc.logit_chunk_tokens) for mb in mbs],
                               dtype=torch.long, device=self.device)
         with self._collective("all_reduce(MAX) of the logit chunk counts", in_step=True):
             torch.distributed.all_reduce(chunks, op=torch.distributed.ReduceOp.MAX)
