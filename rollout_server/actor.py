@@ -39,6 +39,10 @@ sha256).
 
 Up to ``actor_concurrency`` groups run at once, so vLLM batches them.
 
+A group whose line has an ``episode`` is generated as ``n`` multi-turn episodes with tools
+(``rollout_server.episodes``) in step 3, and each reward scores its episode's last model turn; one that
+names a tool this server lacks is dead-lettered. Everything else is as for any group.
+
 Failures: a malformed prompt entry or one that cannot fit the model is
 dead-lettered. When the reward server is unreachable (after the client's
 retries) the slot is released and the prompt entry left pending: the stream
@@ -65,6 +69,7 @@ server catching up over several versions at once loads the due ones on the way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -75,8 +80,10 @@ from broker.ledger import Ledger
 from broker.streams import raise_if_cancelled
 from broker.weights import WeightVersion
 from rollout_server.engine import EngineDead, InvalidRequest, RolloutEngine, Sampling
+from rollout_server.episodes import EpisodeGeneration, run_episodes
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
+from rollout_server.tools import ToolBox
 from rollout_server.transports import WeightLoadError
 from services import wire
 from services.clients import RewardClient, is_retryable
@@ -119,6 +126,7 @@ class Actor:
         metrics: RolloutMetrics,
         concurrency: int = 32,
         timeline: Timeline | None = None,
+        tools: ToolBox | None = None,
     ) -> None:
         self.engine = engine
         self.timeline = timeline or Timeline.off()
@@ -130,6 +138,8 @@ class Actor:
         self.server_id = server_id
         self.metrics = metrics
         engine.watch(config.watchdog, IncidentLog(redis, keys, source=f"rollout:{server_id}"), f"rollout:{server_id}")
+        self.tools = dataclasses.replace(tools or ToolBox(), reward=reward, sink=engine.incidents, source=engine.source)
+        """What an episode's model may call (``rollout_server.tools``; python in ``reward``'s sandboxes)."""
         st = config.staleness
         self.admission = Admission(
             redis,
@@ -397,11 +407,15 @@ class Actor:
         except InvalidRequest as e:
             await self._drop(delivery, ticket, "invalid", f"cannot generate: {e}")
             return
+        if pg.episode is not None and (unknown := self.tools.unknown(pg.episode.tools)):
+            await self._drop(delivery, ticket, "invalid", f"episode.tools: this server has no tool {unknown[0]!r}")
+            return
 
         t0 = time.monotonic()
         try:
             with self.timeline.span("generate", "groups", group=pg.group_id, n=pg.n):
-                gen = await self.engine.generate(ids, sampling, source="actor")
+                gen = await (self.engine.generate(ids, sampling, source="actor") if pg.episode is None
+                             else run_episodes(self.engine, ids, sampling, pg.episode, pg.n, self.tools))
         except InvalidRequest as e:  # vLLM refused it (a limit our own check does not know)
             await self._drop(delivery, ticket, "invalid", f"engine refused the group: {e}")
             return
@@ -412,7 +426,8 @@ class Actor:
 
         try:
             with self.timeline.span("score", "groups", group=pg.group_id):
-                results = await self._score(pg, gen.samples)
+                results = await self._score(pg, gen.texts if isinstance(gen, EpisodeGeneration)
+                                            else [smp.text for smp in gen.samples])
         except httpx.HTTPStatusError as e:
             # the client has used up its own retries; the question now is whether a later delivery can succeed
             if not is_retryable(e):  # the request is wrong: repeating it cannot help
@@ -436,8 +451,9 @@ class Actor:
             return await self._retry_later(delivery, ticket, "admission lease expired during generation")
 
         samples = [
-            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status, components=r.components)
-            for smp, r in zip(gen.samples, results, strict=True)
+            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status, components=r.components, **episode)
+            for smp, r, episode in zip(gen.samples, results, gen.fields if isinstance(gen, EpisodeGeneration)
+                                       else [{}] * len(gen.samples), strict=True)
         ]
         traj = wire.TrajectoryGroup(
             run_id=pg.run_id,
@@ -473,15 +489,15 @@ class Actor:
         await self.admission.release(ticket)
         self.metrics.groups.labels("redeliver").inc()
 
-    async def _score(self, pg: wire.PromptGroup, samples: list[wire.Sample]) -> list[wire.ScoreResult] | None:
-        """Rewards of the samples in order; None if infrastructure failures persist."""
-        ids = [f"{pg.group_id}:{i}" for i in range(len(samples))]
+    async def _score(self, pg: wire.PromptGroup, texts: list[str]) -> list[wire.ScoreResult] | None:
+        """Rewards of the completions ``texts`` in order; None if infrastructure failures persist."""
+        ids = [f"{pg.group_id}:{i}" for i in range(len(texts))]
         results: dict[str, wire.ScoreResult] = {}
-        todo = list(range(len(samples)))
+        todo = list(range(len(texts)))
         for _attempt in range(self.config.reward.retries + 1):
             request = wire.ScoreRequest(
                 items=[wire.ScoreItem(id=ids[i], prompt=pg.prompt or "", messages=pg.messages,
-                                      completion=samples[i].text, spec=pg.spec) for i in todo]
+                                      completion=texts[i], spec=pg.spec) for i in todo]
             )
             response = await self.reward.score(request)
             by_id = {r.id: r for r in response.results}

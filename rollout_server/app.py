@@ -114,6 +114,7 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
 async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
     from broker import Keys, connect
     from rollout_server.actor import reward_client
+    from rollout_server.tools import ToolBox, load_user_tools
     from services.timeline import Timeline
 
     if not rs.redis_url:
@@ -131,6 +132,7 @@ async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfi
         server_id=rs.name,
         metrics=metrics,
         concurrency=rs.actor_concurrency,
+        tools=ToolBox(user=load_user_tools(rs.tools)),
     )
     return asyncio.create_task(actor.run(), name="actor"), [reward.aclose, redis.aclose, timeline.stop_async]
 

@@ -116,6 +116,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    include_stop: bool = False
+    """Keep the stop string that ended a sample in its text (an episode's tool call ends with one)."""
 
 
 @dataclass(frozen=True)
@@ -362,9 +364,10 @@ class RolloutEngine:
         """The model's tokenizer, as vLLM loaded it (the chat template's and the decoder's)."""
         return self._tokenizer
 
-    def tokenize(self, text: str) -> list[int]:
-        # add_special_tokens=True is what vLLM does for completion prompts
-        return list(self._tokenizer.encode(text, add_special_tokens=True))
+    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
+        # add_special_tokens=True is what vLLM does for completion prompts; special=False encodes a piece
+        # appended to tokens already there (an episode's observation)
+        return list(self._tokenizer.encode(text, add_special_tokens=special))
 
     def render(self, messages: list[Message], chat_template_kwargs: dict) -> tuple[str, list[int]]:
         """(text, token ids) of chat ``messages`` with the model's chat template (:func:`render_chat`)."""
@@ -410,6 +413,7 @@ class RolloutEngine:
             stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None,
             seed=s.seed,
+            include_stop_str_in_output=s.include_stop,
             logprobs=0,  # only the sampled token's log-probability
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step outputs: less work per token
         )

@@ -73,6 +73,9 @@ class RolloutSettings(WorkerSettings):
     Admission capacity bounds it too."""
     score_timeout_s: float = Field(default=120.0, gt=0)
     """Per-attempt timeout of the reward server's ``POST /v1/score``."""
+    tools: dict[str, str] = Field(default_factory=dict)
+    """User tools an episode may call (TANDEM_ROLLOUT_TOOLS, JSON ``{"name": "module:function"}``): Python
+    functions importable here, never sent as code (``rollout_server.tools``)."""
     fatal_grace_s: float = Field(default=2.0, ge=0)
     """After the engine dies, how long /healthz reports 503 before the process exits (non-zero)."""
 

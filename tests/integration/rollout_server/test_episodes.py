@@ -1,0 +1,240 @@
+"""Multi-turn episodes on the session's real vLLM engine (rollout_server.episodes), and through the actor
+with the real reward server's sandboxes.
+
+The tiny model is first taught, in a few seconds of supervised training here, three scripts that call a
+tool (``SCRIPTS``); it is loaded into the session engine as a new weight version. Its episodes then show:
+the model's tokens kept verbatim across turns (their behaviour log-probs are those Hugging Face computes
+on the exact ids, observation included), the observation's own ids under mask 0, error observations, the
+turn and token limits, and a python tool whose output the reward never scores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout_server.engine import Sampling
+from rollout_server.episodes import run_episodes
+from rollout_server.tools import ToolBox
+from services import wire
+
+pytestmark = pytest.mark.usefixtures("engine_left_serving")
+
+SCRIPTS = {
+    "C:": "<tool>calculator: 12+30</tool><result>42</result><answer>42</answer>",
+    "E:": "<tool>calculator: 1/0</tool><error>division by zero</error><answer>0</answer>",
+    # the model's own text never holds a whole answer tag: only the tool's output does
+    "P:": '<tool>python: print("<ans"+"wer>4</ans"+"wer>")</tool><result><answer>4</answer></result>done',
+}
+CALL = {"C:": "<tool>calculator: 12+30</tool>", "E:": "<tool>calculator: 1/0</tool>",
+        "P:": '<tool>python: print("<ans"+"wer>4</ans"+"wer>")</tool>'}
+TEMPERATURE = 0.5
+STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def tool_weights(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model after a short supervised run on ``SCRIPTS`` (prompt -> call, observation, answer,
+    end of sequence), as a weight version directory (safetensors only, the learner's layout)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 0.1M-parameter model: more threads only contend on a loaded machine
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+        rows = [(tok.encode(p), tok.encode(c, add_special_tokens=False) + [tok.eos_token_id]) for p, c in SCRIPTS.items()]
+        width = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (p, c) in enumerate(rows):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+            attention[i, : len(p) + len(c)] = 1
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        for _ in range(STEPS):
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert loss.item() < 0.02, f"the scripts were not learnt (loss {loss.item():.3f})"
+        full = tmp_path_factory.mktemp("tool-model")
+        model.save_pretrained(full, safe_serialization=True)
+    finally:
+        torch.set_num_threads(threads)
+    out = tmp_path_factory.mktemp("tool-weights")
+    for f in full.glob("*.safetensors"):
+        shutil.copy(f, out / f.name)
+    return out.resolve()
+
+
+async def _serve(engine, weight_versions, weights: Path) -> int:
+    """Load ``weights`` into the session engine as a new version (unless it serves them); return the version."""
+    from services.weightstore import digest
+
+    if weight_versions.dirs.get(engine.version) != weights:
+        v = weight_versions.next_version()
+        weight_versions.dirs[v] = weights
+        await engine.load_weights(wire.LoadWeights(version=v, uri=weights.as_uri(), sha256=digest(weights)))
+    return engine.version
+
+
+@pytest.fixture
+async def tool_version(rollout_engine, weight_versions, tool_weights) -> int:
+    return await _serve(rollout_engine, weight_versions, tool_weights)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def _segments(mask: list[int]) -> list[tuple[int, int, int]]:
+    """(value, start, end) of each run of equal mask values."""
+    out = []
+    for i, m in enumerate(mask):
+        if out and out[-1][0] == m:
+            out[-1] = (m, out[-1][1], i + 1)
+        else:
+            out.append((m, i, i + 1))
+    return out
+
+
+SAMPLING = Sampling(temperature=TEMPERATURE, max_tokens=128)
+
+
+async def test_an_episode_keeps_the_models_tokens_and_masks_the_observation(
+    rollout_engine, tool_version, weight_versions, hf_logprobs, tokenizer
+):
+    prompt = rollout_engine.tokenize("C:")
+    spec = wire.EpisodeSpec(tools=["calculator"], max_turns=4)
+    gen = await run_episodes(rollout_engine, prompt, SAMPLING, spec, 3, ToolBox())
+    assert gen.prompt_token_ids == prompt and len(gen.samples) == 3
+    observation = rollout_engine.tokenize("<result>42</result>", special=False)
+    for s, text, f in zip(gen.samples, gen.texts, gen.fields, strict=True):
+        assert (f["turns"], f["tool_calls"], f["tool_errors"]) == (2, 1, 0), s.text
+        assert f["turn_versions"] == [tool_version, tool_version] and s.policy_version == tool_version
+        (m1, _, a), (m0, b, c), (m2, _, end) = _segments(f["mask"])
+        assert (m1, m0, m2, b, end) == (1, 0, 1, a, len(s.token_ids))
+        assert tokenizer.decode(s.token_ids[:a]) == CALL["C:"]
+        assert s.token_ids[b:c] == observation  # the observation's ids, tokenised on its own
+        assert s.logprobs[b:c] == [0.0] * len(observation)
+        assert s.text == CALL["C:"] + "<result>42</result>" + text and "<answer>42</answer>" in text
+        assert s.finish_reason == "stop"
+        # the engine read exactly these ids: its log-probs of the model's tokens (second turn included, after
+        # the observation) are those of the weights on prompt + every completion token before each
+        ref = hf_logprobs(weight_versions.dir_of(tool_version), prompt, s.token_ids, temperature=TEMPERATURE)
+        model = [i for i, m in enumerate(f["mask"]) if m]
+        assert max(abs(s.logprobs[i] - ref[i]) for i in model) < 2e-3
+
+
+@pytest.mark.parametrize(("prompt", "tools", "said"), [
+    ("E:", ["calculator"], "<error>division by zero</error>"),
+    ("C:", [], "<error>unknown tool 'calculator'; this episode allows: none</error>"),
+])
+async def test_a_failing_call_is_an_error_observation_and_the_episode_goes_on(
+    rollout_engine, tool_version, prompt, tools, said
+):
+    spec = wire.EpisodeSpec(tools=tools, max_turns=3)
+    gen = await run_episodes(rollout_engine, rollout_engine.tokenize(prompt), SAMPLING, spec, 2, ToolBox())
+    for s, f in zip(gen.samples, gen.fields, strict=True):
+        assert (f["tool_calls"], f["tool_errors"]) == (1, 1) and f["turns"] >= 2, s.text
+        (_, _, a), (m0, b, c), *_rest = _segments(f["mask"])
+        assert m0 == 0 and s.token_ids[b:c] == rollout_engine.tokenize(said, special=False)
+        assert s.text.startswith(CALL[prompt] + said)
+
+
+async def test_the_turn_and_token_limits_end_an_episode(rollout_engine, tool_version):
+    prompt = rollout_engine.tokenize("C:")
+    # one turn: the call is not answered
+    gen = await run_episodes(rollout_engine, prompt, SAMPLING, wire.EpisodeSpec(tools=["calculator"], max_turns=1),
+                             2, ToolBox())
+    for s, text, f in zip(gen.samples, gen.texts, gen.fields, strict=True):
+        assert s.text == text == CALL["C:"] and f["mask"] == [1] * len(s.token_ids)
+        assert (f["turns"], f["tool_calls"], s.finish_reason) == (1, 0, "stop")
+    # a budget that ends inside the observation: it is cut there, and the episode ends with "length"
+    budget = len(rollout_engine.tokenize(CALL["C:"], special=False)) + 3
+    gen = await run_episodes(rollout_engine, prompt, SAMPLING, wire.EpisodeSpec(tools=["calculator"], max_tokens=budget),
+                             2, ToolBox())
+    for s, f in zip(gen.samples, gen.fields, strict=True):
+        assert len(s.token_ids) == budget and s.finish_reason == "length", s.text
+        assert f["mask"][-3:] == [0, 0, 0] and (f["turns"], f["tool_calls"]) == (1, 1)
+
+
+def _config(tiny_model, tmp_path):
+    from services.config import RunConfig
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("")
+    return RunConfig.model_validate({
+        "name": "episode-test", "model": {"path": str(tiny_model), "max_model_len": 256}, "data": {"train": str(train)},
+        "sampling": {"group_size": 2, "max_tokens": 128, "temperature": TEMPERATURE},
+        "learner": {"groups_per_step": 2}, "staleness": {"max_staleness": 0, "lease_s": 60, "visibility_timeout_s": 60},
+    })
+
+
+async def test_the_actor_runs_an_episode_group_and_scores_only_the_models_last_turn(
+    rollout_engine, redis, keys, tiny_model, tmp_path, weight_versions, tool_weights, reward_servers
+):
+    """A group whose line has an episode, through the actor with a python tool in the bubblewrap sandboxes:
+    the tool prints the right answer's tag, the model's last turn says ``done``, and the reward is 0 (only
+    the model's own last turn is scored); the trajectory carries the mask and the per-turn versions. A group
+    naming a tool the server lacks is dead-lettered."""
+    from broker import Envelope, Stream, WeightRegistry
+    from broker.weights import WeightVersion
+    from rollout_server.actor import Actor
+    from services.clients import RewardClient
+    from services.reward_specs import ExactSpec
+    from services.weightstore import digest
+    from tests.fixtures.reward import REWARD_TOKEN
+
+    version = weight_versions.next_version()
+    weight_versions.dirs[version] = tool_weights
+    await WeightRegistry(redis, keys).publish(WeightVersion(
+        version=version, uri=tool_weights.as_uri(), sha256=digest(tool_weights), created_at=time.time()))
+    prompts = Stream.prompts(redis, keys)
+    await prompts.ensure_group()
+    groups = {
+        "forge": wire.PromptGroup(run_id=keys.run_id, group_id="forge", prompt="P:", n=2, spec=ExactSpec(answer="4"),
+                                  episode=wire.EpisodeSpec(tools=["python"], tool_timeout_s=30)),
+        "no-tool": wire.PromptGroup(run_id=keys.run_id, group_id="no-tool", prompt="C:", n=2,
+                                    spec=ExactSpec(answer="42"), episode=wire.EpisodeSpec(tools=["nope"])),
+    }
+    await prompts.add_many([Envelope(g.group_id, -1, wire.encode(g)) for g in groups.values()])
+    reward = RewardClient(reward_servers["bwrap"].url, REWARD_TOKEN, attempts=2, max_total_s=60)
+    actor = Actor(rollout_engine, redis=redis, keys=keys, config=_config(tiny_model, tmp_path), reward=reward,
+                  server_id=f"test-{keys.run_id}", metrics=rollout_engine.metrics, concurrency=2)
+    task = asyncio.create_task(actor.run())
+    try:
+        traj = Stream.trajectories(redis, keys)
+        await traj.ensure_group()
+        got = []
+        deadline = time.monotonic() + 120
+        while not (got and await prompts.dead_letters()):
+            assert time.monotonic() < deadline and not task.done(), "the episode group never came"
+            got += await traj.read("learner", count=1, block_ms=300)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await reward.aclose()
+    [delivery] = got
+    g = wire.decode(wire.TrajectoryGroup, delivery.envelope.payload)
+    assert g.group_id == "forge" and g.policy_version == version
+    observation = rollout_engine.tokenize("<result><answer>4</answer></result>", special=False)
+    for s in g.samples:
+        assert s.text == CALL["P:"] + "<result><answer>4</answer></result>done", s.text
+        assert (s.reward, s.status) == (0.0, "no_answer")
+        assert (s.turns, s.turn_versions, s.tool_calls, s.tool_errors) == (2, [version, version], 1, 0)
+        (_, _, a), (m0, b, c), (m2, _, end) = _segments(s.mask)
+        assert (m0, m2, end) == (0, 1, len(s.token_ids)) and s.token_ids[b:c] == observation
+    [dead] = await prompts.dead_letters()
+    assert dead["g"] == "no-tool" and "episode.tools: this server has no tool 'nope'" in dead["reason"]
