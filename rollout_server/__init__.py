@@ -6,13 +6,17 @@ One process, one vLLM engine (``AsyncLLM``), serving
   and the weight version that produced them (``api``);
 - ``GET/POST /v1/weights``: the loaded version; load a published version in
   place (``engine``, ``transports``);
+- OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``,
+  and vLLM's ``/inference/v1/generate``, with token ids, log-probs and weight
+  versions in every answer (``openai_api``); ``verifiers_env`` turns a
+  verifiers environment's episodes against them into training groups;
 - the actor loop when started for a run: prompt groups from the broker under
   admission control, scored by the reward server, handed to the learner as
   trajectory groups (``actor``).
 
 Modules: ``settings`` (``TANDEM_ROLLOUT_*``), ``engine`` (vLLM lifecycle,
 generation, reloads), ``transports`` (how weights reach the engine),
-``api`` (routes), ``actor`` (the loop), ``metrics``, ``app`` (factory,
+``api`` and ``openai_api`` (routes), ``verifiers_env``, ``actor`` (the loop), ``metrics``, ``app`` (factory,
 lifespan, watchdog, ``serve``). vLLM is imported only when the engine
 starts, so importing this package is cheap.
 """
