@@ -126,6 +126,21 @@ def component_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return {f"reward_{name}": sums[name] / counts[name] for name in sorted(sums)}
 
 
+def episode_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """For a step with multi-turn episodes (``rollout_server.episodes``): ``episode_turns_mean`` (the model's
+    turns per episode), ``tool_calls_mean`` (calls per episode) and ``tool_success_frac`` (calls answered
+    without an error, of all calls; only when there were calls). Empty for a step of single-turn samples."""
+    samples = [smp for g in groups for smp in g.samples if smp.turn_versions]
+    if not samples:
+        return {}
+    calls = sum(smp.tool_calls for smp in samples)
+    out = {"episode_turns_mean": sum(smp.turns for smp in samples) / len(samples),
+           "tool_calls_mean": calls / len(samples)}
+    if calls:
+        out["tool_success_frac"] = 1 - sum(smp.tool_errors for smp in samples) / calls
+    return out
+
+
 def checkpoint_tag(step: int) -> str:
     """The name of the checkpoint saved after ``step`` steps (every rank saves under it)."""
     return f"step{step:08d}"
@@ -476,7 +491,7 @@ class Trainer:
             "zero_variance_dropped": float(feeder.counts["zero_variance_dropped"]),
             "learner_tokens_per_s": st.tokens_per_s,
             "learner_idle_frac": st.idle_fraction,
-        } | component_means(groups)
+        } | component_means(groups) | episode_means(groups)
         await self._write_state(point)
         if self.metrics is not None:
             self.metrics.observe_step(st, tokens)

@@ -71,3 +71,20 @@ def test_an_upload_with_a_bad_episode_is_refused_naming_the_field(episode, field
     with pytest.raises(LineError) as e:
         parser.finish()
     assert [err["field"] for err in e.value.errors] == [field]
+
+
+def test_a_step_of_episodes_reports_turns_and_tool_calls():
+    from learner.trainer import episode_means
+
+    def sample(turns: int, calls: int, errors: int) -> wire.ScoredSample:
+        return wire.ScoredSample(**SCORED | {"policy_version": 3}, turns=turns, turn_versions=[3] * turns,
+                                 tool_calls=calls, tool_errors=errors)
+
+    def group(*samples) -> wire.TrajectoryGroup:
+        return wire.TrajectoryGroup(run_id="r", group_id="g", prompt="", prompt_token_ids=[1], samples=list(samples),
+                                    n=len(samples), policy_version=3)
+
+    assert episode_means([group(wire.ScoredSample(**SCORED))]) == {}
+    got = episode_means([group(sample(2, 1, 0), sample(3, 2, 1)), group(sample(1, 0, 0), sample(1, 1, 1))])
+    assert got == {"episode_turns_mean": 7 / 4, "tool_calls_mean": 1.0, "tool_success_frac": 0.5}
+    assert episode_means([group(sample(1, 0, 0))]) == {"episode_turns_mean": 1.0, "tool_calls_mean": 0.0}
