@@ -89,7 +89,7 @@ $(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
 	@touch $@
 
 $(STAMPS)/dev: $(STAMPS)/install $(STAMPS)/system-test
-	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),trackers,dev]'
+	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(EXTRAS),trackers,verifiers,dev]'
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $@
 
