@@ -23,6 +23,8 @@ import pytest
 
 from tests.fixtures.rollout import TOKEN
 
+pytest.importorskip("verifiers.v1", reason="the verifiers extra is not installed (pip install -e '.[verifiers]')")
+
 pytestmark = [pytest.mark.usefixtures("engine_left_serving"), pytest.mark.slow]
 
 TOKEN_VAR = "TANDEM_TEST_VERIFIERS_TOKEN"
