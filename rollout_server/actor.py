@@ -138,7 +138,8 @@ class Actor:
         self.server_id = server_id
         self.metrics = metrics
         engine.watch(config.watchdog, IncidentLog(redis, keys, source=f"rollout:{server_id}"), f"rollout:{server_id}")
-        self.tools = dataclasses.replace(tools or ToolBox(), reward=reward, sink=engine.incidents, source=engine.source)
+        self.tools = dataclasses.replace(tools or ToolBox(), reward=reward, sink=engine.incidents, source=engine.source,
+                                         metrics=metrics)
         """What an episode's model may call (``rollout_server.tools``; python in ``reward``'s sandboxes)."""
         st = config.staleness
         self.admission = Admission(

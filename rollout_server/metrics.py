@@ -54,6 +54,15 @@ class RolloutMetrics:
             registry=registry,
         )
         self.groups_in_flight = Gauge("tandem_rollout_groups_in_flight", "Groups the actor is working on.", registry=registry)
+        # episodes (rollout_server.episodes, rollout_server.tools)
+        self.tool_calls = Counter(
+            "tandem_rollout_tool_calls", "Episode tool calls by tool and outcome (ok, error, timeout, refused).",
+            ["tool", "outcome"], registry=registry,
+        )
+        self.tool_call_s = Histogram(
+            "tandem_rollout_tool_call_seconds", "Time to answer one episode tool call (the observation's wait).",
+            ["tool"], buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry,
+        )
 
 
 def stat_logger_factory(metrics: RolloutMetrics):

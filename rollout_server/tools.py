@@ -26,6 +26,9 @@ to :data:`MAX_OBSERVATION_CHARS` characters.
 Every call is bounded by the episode's ``tool_timeout_s`` through ``services.watchdog.bounded``: a call
 past it is recorded as an incident of the run (field ``episode.tool_timeout_s``) and answered with an
 error observation.
+
+Each call is counted in ``tandem_rollout_tool_calls{tool, outcome}`` (``ok``, ``error``: the tool failed,
+``timeout``, ``refused``: malformed or not allowed) and timed in ``tandem_rollout_tool_call_seconds{tool}``.
 """
 
 from __future__ import annotations
@@ -37,13 +40,18 @@ import inspect
 import math
 import operator
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services import watchdog
 from services.clients import RewardClient
 from services.reward_specs import Limits
 from services.wire import TOOL_NAME, ExecuteRequest
+
+if TYPE_CHECKING:
+    from rollout_server.metrics import RolloutMetrics
 
 OPEN, CLOSE = "<tool>", "</tool>"
 """A call is ``<tool>NAME: ARGS</tool>``; :data:`CLOSE` is the stop string that ends the model's turn."""
@@ -53,7 +61,12 @@ _CALL = re.compile(r"\s*([^\s:]*)\s*:(.*)", re.S)
 
 
 class ToolError(Exception):
-    """A call that cannot be answered with a result: its message becomes the ``<error>`` observation."""
+    """A call that cannot be answered with a result: its message becomes the ``<error>`` observation;
+    ``outcome`` is how the call is counted."""
+
+    def __init__(self, message: str, outcome: str = "error") -> None:
+        super().__init__(message)
+        self.outcome = outcome
 
 
 @dataclass(frozen=True)
@@ -174,7 +187,8 @@ class PythonSession:
         result = await self.reward.execute(request)
         if result.status != "ok":
             detail = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.exit_code}"]
-            raise ToolError(f"{result.status}: {detail[0]}" + (f"\n{result.stdout}" if result.stdout else ""))
+            raise ToolError(f"{result.status}: {detail[0]}" + (f"\n{result.stdout}" if result.stdout else ""),
+                            "timeout" if result.status == "timeout" else "error")
         self.cells.append(code)
         return result.stdout.rstrip("\n")
 
@@ -204,12 +218,14 @@ def load_user_tools(named: dict[str, str]) -> dict[str, UserTool]:
 @dataclass
 class ToolBox:
     """The tools this rollout server offers: the built-ins and its user tools. ``reward`` (the reward
-    server's client) backs ``python``; ``sink`` records calls past their timeout as incidents."""
+    server's client) backs ``python``; ``sink`` records calls past their timeout as incidents; ``metrics``
+    counts and times the calls."""
 
     reward: RewardClient | None = None
     user: dict[str, UserTool] = field(default_factory=dict)
     sink: watchdog.IncidentSink | None = None
     source: str = "rollout"
+    metrics: RolloutMetrics | None = None
 
     def names(self) -> set[str]:
         return {"calculator", *self.user, *(["python"] if self.reward is not None else [])}
@@ -234,25 +250,33 @@ class Session:
     async def answer(self, call: Call, allowed: list[str], timeout_s: float) -> str:
         """The observation text for ``call``, never an exception (but cancellation)."""
         self.calls += 1
+        t0, outcome = time.monotonic(), "ok"
         try:
             result = await self._run(call, allowed, timeout_s)
         except ToolError as e:
             self.errors += 1
+            outcome = e.outcome
             return observation(str(e), error=True)
+        finally:
+            if self.box.metrics is not None:
+                tool = call.name if call.name in allowed else "-"  # the label set stays the allowed tools
+                self.box.metrics.tool_calls.labels(tool, outcome).inc()
+                self.box.metrics.tool_call_s.labels(tool).observe(time.monotonic() - t0)
         return observation(result, error=False)
 
     async def _run(self, call: Call, allowed: list[str], timeout_s: float) -> str:
         if call.error:
-            raise ToolError(call.error)
+            raise ToolError(call.error, "refused")
         if call.name not in allowed:
-            raise ToolError(f"unknown tool {call.name!r}; this episode allows: {', '.join(allowed) or 'none'}")
+            raise ToolError(f"unknown tool {call.name!r}; this episode allows: {', '.join(allowed) or 'none'}",
+                            "refused")
         try:
             out = await watchdog.bounded(
                 self._invoke(call), what=f"tool call {call.name}", on=f"the tool {call.name!r}", limit_s=timeout_s,
                 field="episode.tool_timeout_s", action="the call is answered with an error observation",
                 sink=self.box.sink, source=self.box.source)
         except watchdog.Stalled:
-            raise ToolError(f"the tool {call.name!r} timed out after {timeout_s:g} s") from None
+            raise ToolError(f"the tool {call.name!r} timed out after {timeout_s:g} s", "timeout") from None
         except ToolError:
             raise
         except Exception as e:  # noqa: BLE001  a user tool's or the sandbox client's failure is the model's to read

@@ -9,7 +9,9 @@ import time
 import uuid
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import Call, ToolBox, load_user_tools
 from services.clients import RewardClient
 from tests.fixtures.reward import REWARD_TOKEN
@@ -33,7 +35,8 @@ async def box(one_worker_reward_server):
     user = load_user_tools({"reverse": "tests.episode_tools:reverse", "failing": "tests.episode_tools:failing",
                             "hanging": "tests.episode_tools:hanging",
                             "hanging_async": "tests.episode_tools:hanging_async"})
-    yield ToolBox(reward=client, user=user, sink=Incidents(), source="rollout:test")
+    yield ToolBox(reward=client, user=user, sink=Incidents(), source="rollout:test",
+                  metrics=RolloutMetrics(CollectorRegistry()))
     await client.aclose()
 
 
@@ -71,6 +74,10 @@ async def test_a_failing_cell_is_an_error_and_the_session_goes_on(box):
     # neither failing cell is replayed: the next call sees y and nothing of them
     assert await s.answer(Call("python", "y * 21"), ALL, 30) == "<result>42</result>"
     assert (s.calls, s.errors) == (4, 2)
+    calls = box.metrics.registry.get_sample_value
+    assert [calls("tandem_rollout_tool_calls_total", {"tool": "python", "outcome": o}) for o in ("ok", "error", "timeout")] \
+        == [2, 1, 1]
+    assert calls("tandem_rollout_tool_call_seconds_count", {"tool": "python"}) == 4
 
 
 async def test_user_tools_failures_and_timeouts_are_observations(box):
@@ -91,6 +98,12 @@ async def test_user_tools_failures_and_timeouts_are_observations(box):
         ("episode.tool_timeout_s", "tool call hanging", "rollout:test"),
         ("episode.tool_timeout_s", "tool call hanging_async", "rollout:test")]
     assert (s.calls, s.errors) == (7, 5)
+    calls = box.metrics.registry.get_sample_value
+    assert {(tool, o): calls("tandem_rollout_tool_calls_total", {"tool": tool, "outcome": o})
+            for tool, o in [("reverse", "ok"), ("calculator", "ok"), ("failing", "error"), ("-", "refused"),
+                            ("hanging", "timeout"), ("hanging_async", "timeout")]} == {
+        ("reverse", "ok"): 1, ("calculator", "ok"): 1, ("failing", "error"): 1, ("-", "refused"): 2,
+        ("hanging", "timeout"): 1, ("hanging_async", "timeout"): 1}
 
 
 async def test_a_reward_server_that_cannot_be_reached_is_an_observation():
