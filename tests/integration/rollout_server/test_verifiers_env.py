@@ -213,3 +213,35 @@ async def test_the_eval_client_relays_the_harness_to_chat_completions(rollout_se
     assert [n.message.role for n in trace.nodes] == ["user", "assistant", "tool", "assistant"]
     assert set(trace.rewards) == {"correct", "digits"}
     assert trace.calls and all(c.error is None for c in trace.calls)
+
+
+async def test_a_reload_during_a_group_tags_it_with_the_version_it_started_on(rollout_server, sums_env, token_var,
+                                                                               weight_versions):
+    """verifiers keeps no version per turn: a group that a reload overtook is tagged with the version read before it
+    started (a lower bound: judged staler than it may be, never fresher) and counted as inexact."""
+    import asyncio
+
+    import httpx
+
+    from rollout_server.verifiers_env import VerifiersGroups, load_env
+
+    env = load_env(sums_env, harness=sums_env)
+    engine = rollout_server.app.state.engine
+    before = engine.version
+    new = weight_versions.make(seed=141)
+
+    async def reload() -> None:
+        await asyncio.sleep(0.5)  # the group's episodes are under way (a group takes seconds)
+        async with httpx.AsyncClient(base_url=rollout_server.url, headers=rollout_server.headers, timeout=60) as c:
+            r = await c.post("/v1/weights", json=new.model_dump())
+            assert r.status_code == 200, r.text
+
+    async with VerifiersGroups(env, base_url=f"{rollout_server.url}/v1", token_var=token_var,
+                               model_dir=engine.model_dir, run_id="vf-test", sampling={"max_tokens": 10}) as source:
+        group, _ = await asyncio.gather(source.group(list(env.taskset)[0], 3), reload())
+        assert engine.version == new.version > before
+        assert source.versions_inexact == 1
+        assert group.policy_version == before
+        assert all(s.policy_version == before and set(s.turn_versions) == {before} for s in group.samples)
+        after = await source.group(list(env.taskset)[1], 2)
+    assert source.versions_inexact == 1 and after.policy_version == new.version
