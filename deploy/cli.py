@@ -617,7 +617,12 @@ def trace(
 def plan(
     model: Annotated[str, typer.Option("--model", help="Preset, e.g. qwen3-8b-base (case-insensitive).")],
     mode: Annotated[str, typer.Option(help="lora, qlora or full.")] = "lora",
-    gpus: Annotated[str, typer.Option(help="GPUs as Modal spells them: 8xH100 or H100:8.")] = "1xH100",
+    gpus: Annotated[str, typer.Option(help="The learner's GPUs as Modal spells them: 8xH100 or H100:8.")] = "1xH100",
+    rollout_gpus: Annotated[str | None, typer.Option(
+        "--rollout-gpus", help="GPUs of one rollout server's model replica (vLLM tensor parallel), separate from the "
+        "learner's as on Modal; default: one of the learner's type.")] = None,
+    colocated: Annotated[bool, typer.Option(
+        "--colocated", help="The rollout engine shares the learner's GPUs (one machine running both).")] = False,
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (G).")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per completion (L).")] = 1024,
     micro_batch_tokens: Annotated[int | None, typer.Option(
@@ -641,7 +646,8 @@ def plan(
         p = preset(model)
         kwargs = dict(group_size=group_size, max_tokens=max_tokens, checkpointing=not no_checkpointing, beta=beta,
                       micro_batch_tokens=planner.MICRO_BATCH_TOKENS if micro_batch_tokens is None else micro_batch_tokens,
-                      logit_chunk_tokens=planner.LOGIT_CHUNK_TOKENS if logit_chunk_tokens is None else logit_chunk_tokens)
+                      logit_chunk_tokens=planner.LOGIT_CHUNK_TOKENS if logit_chunk_tokens is None else logit_chunk_tokens,
+                      rollout_gpus=rollout_gpus, colocated=colocated)
         result = planner.plan(p, mode, gpus, zero_stage=zero_stage, offload=offload, **kwargs)
         smallest = None if result.fits else planner.smallest_fit(p, mode, gpus, offload=offload, **kwargs)
     except ValueError as e:
@@ -649,6 +655,7 @@ def plan(
     if as_json:
         out = result.model_dump(mode="json") | {
             "activations": result.activations, "total": result.total, "budget": result.budget, "fits": result.fits,
+            "rollout": result.rollout, "rollout_budget": result.rollout_budget, "rollout_fits": result.rollout_fits,
             "smallest_fit": smallest.label if smallest else None,
         }
         typer.echo(json.dumps(out, indent=2))
@@ -663,12 +670,19 @@ def plan(
         rows = [
             ("learner weights", result.weights), ("gradients", result.gradients), ("optimizer", result.optimizer),
             (f"activations ({ckpt})", result.activations), ("reference model", result.reference),
-            ("rollout weights", result.rollout_weights), ("KV cache", result.kv_cache), ("runtime", result.runtime),
         ]
+        rollout = [("rollout weights", result.rollout_weights), ("KV cache", result.kv_cache)]
+        rows += [*rollout, ("runtime", result.runtime)] if result.colocated else [("runtime", result.runtime)]
         for name, gb in rows:
             table.add_row(name, f"{gb:.1f}")
-        table.add_row("total", f"{result.total:.1f}", style="bold")
+        table.add_row("total" if result.colocated else "learner GPU total", f"{result.total:.1f}", style="bold")
         table.add_row(f"budget ({planner.HEADROOM:.0%} of {result.gpu_memory:g})", f"{result.budget:.1f}")
+        if not result.colocated:
+            for name, gb in [*rollout, ("runtime", result.runtime)]:
+                table.add_row(f"{name} (rollout GPU)", f"{gb:.1f}")
+            table.add_row(f"rollout GPU total (of {result.rollout_gpus})", f"{result.rollout:.1f}", style="bold")
+            table.add_row(f"vLLM budget ({planner.ROLLOUT_FRACTION:.0%} of {result.rollout_gpu_memory:g})",
+                          f"{result.rollout_budget:.1f}")
         console = Console()
         console.print(table)
         if result.fits:

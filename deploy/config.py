@@ -188,6 +188,9 @@ class ModalDeploy(BaseModel):
                                      max_containers=4, scaledown_window_s=600, concurrency=64)
     """Rollout servers, one vLLM engine each. ``min_containers`` is the actor fleet: actors pull
     prompt groups from Redis rather than receive requests, so only kept-warm containers act."""
+    rollout_data_parallel: int = Field(default=1, ge=1)
+    """Model replicas in one rollout container (vLLM ``data_parallel_size``); each is tensor-parallel
+    over ``rollout.gpu``'s count / this many GPUs (``deploy.layout``)."""
     reward: RoleDeploy = RoleDeploy(cpu=4.0, memory_mib=4096, min_containers=1, max_containers=8,
                                     concurrency=64)
     """Reward servers (CPU; code runs in Modal Sandboxes). Scale with /v1/score traffic."""
@@ -215,6 +218,9 @@ class ModalDeploy(BaseModel):
             raise ValueError("modal.learner.gpu: the learner needs GPUs (\"H100:8\")")
         if self.rollout.gpu is None:
             raise ValueError("modal.rollout.gpu: vLLM on Modal needs a GPU (\"H100:1\")")
+        if gpu_count(self.rollout.gpu) % self.rollout_data_parallel:
+            raise ValueError(f"modal.rollout_data_parallel = {self.rollout_data_parallel} does not divide "
+                             f"modal.rollout.gpu = {self.rollout.gpu!r}")
         return self
 
 
@@ -297,6 +303,9 @@ def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
     if role == "rollout":
         env["TANDEM_HOST"] = "0.0.0.0"  # @modal.web_server forwards to the container's port
         env["TANDEM_PORT"] = str(plan.rollout_port)
+        from deploy.layout import layout_of, rollout_env  # layout reads this module's types
+
+        env |= rollout_env(layout_of(plan))  # vLLM's tensor / data parallel sizes
     return env
 
 

@@ -6,15 +6,22 @@ quotes for the GPU type; a plan fits when its total is at most
 ``HEADROOM`` (0.9) of that, the rest left to fragmentation and allocator
 slack.
 
-The layout it assumes: the learner and the rollout engine share the GPUs
-(colocated). The learner is one DeepSpeed job with one rank per GPU, each
+The layout it plans is the one tandem runs (``deploy/layout.py``; ``plan_args``
+there turns a deployment's layout into this module's arguments). On Modal the
+learner and the rollout servers are separate containers on separate GPUs: the
+learner's N GPUs hold the learner alone (plus the runtime), and each rollout
+server's vLLM engine is tensor-parallel over its own R GPUs (``rollout_gpus``,
+default one GPU of the learner's type), each holding 1/R of the weights and of
+the KV cache, against vLLM's own budget: ``gpu_memory_utilization`` (0.85,
+``rollout_server.settings``) of the GPU, which the engine takes whole. A
+colocated plan (``colocated=True``: one machine running both on the same GPUs)
+is the other layout: the learner and the rollout engine share the N GPUs and
+vLLM is tensor-parallel over all of them (R = N). The learner is one DeepSpeed job with one rank per GPU, each
 rank taking micro-batches of at most ``micro_batch_tokens`` tokens (the
 learner's ``learner.micro_batch_tokens``, default 8192; a sequence longer
 than that is a micro-batch of its own, so ``t = max(micro_batch_tokens, L)``).
 Packed or padded (``learner.packing``), a micro-batch's tokens are within
-that budget. The rollout engine
-is vLLM with tensor parallelism over all N GPUs, so each holds 1/N of its
-weights and of its KV cache. Per GPU, with P the model's parameters, T the
+that budget. Per GPU, with P the model's parameters, T the
 trainable ones (P for ``full``; the LoRA adapter otherwise), N GPUs and
 ZeRO stage z:
 
@@ -47,14 +54,15 @@ ZeRO stage z:
   For ``full`` a frozen bf16 copy, divided by N at z = 3; LoRA takes the
   reference from the adapter-disabled base, so it costs nothing.
 - rollout weights: the base in bf16 (NF4 for ``qlora``; vLLM serves
-  bitsandbytes checkpoints) / N.
+  bitsandbytes checkpoints) / R (on the rollout GPUs; / N on shared ones).
 - KV cache: ``2 a n_kv d 2`` bytes per token (K and V, bf16), for
   ``groups_in_flight x G x L`` tokens, / N. The default, 2 groups, is one
   group decoding and the next admitted; vLLM queues (or preempts) the rest
   of a step's groups rather than needing their cache at once. Every layer is
   counted at full length, an upper bound for OLMo 3's sliding-window layers
-  past 4096 tokens.
-- runtime: 2 GB for two CUDA contexts, NCCL buffers and vLLM's graphs.
+  past 4096 tokens. / R, as the weights.
+- runtime: 2 GB on each GPU (a CUDA context, NCCL buffers; vLLM's graphs and
+  profiling activations on a rollout GPU), counted once on shared GPUs.
 
 ``dtype_bytes`` (default 2) is the learner's precision: 2 for bf16 (every
 GPU figure above), 4 for fp32 (``learner.precision = "fp32"``, the default
@@ -87,11 +95,16 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict
 
 from deploy.presets import ModelPreset
+from rollout_server.settings import RolloutSettings
 from services.config import LearnerConfig
 
 GB = 1e9
 HEADROOM = 0.9
-"""Fraction of a GPU's memory a plan may fill."""
+"""Fraction of a learner GPU's memory a plan may fill."""
+ROLLOUT_FRACTION = RolloutSettings.model_fields["gpu_memory_utilization"].default
+"""Fraction of a rollout GPU's memory vLLM takes (``gpu_memory_utilization``): the rollout budget."""
+ROLLOUT_GPU_COUNTS = (1, 2, 4, 8)
+"""Tensor-parallel sizes ``smallest_rollout`` tries (one rollout container has at most 8 GPUs)."""
 GPU_MEMORY_GB: dict[str, float] = {
     "H100": 80, "H200": 141, "A100-80GB": 80, "A100-40GB": 40, "L40S": 48, "A10": 24, "L4": 24, "B200": 180,
 }
@@ -147,6 +160,11 @@ class Plan(BaseModel):
     logit_chunk_tokens: int
     groups_in_flight: int
     beta: float
+    colocated: bool
+    rollout_gpu: str
+    rollout_gpus: int
+    """GPUs one rollout model replica is tensor-parallel over (``gpus`` when colocated)."""
+    rollout_gpu_memory: float
     weights: float
     gradients: float
     optimizer: float
@@ -170,21 +188,43 @@ class Plan(BaseModel):
                 + self.reference)
 
     @property
+    def rollout(self) -> float:
+        """What the rollout engine holds per GPU: its weights, the KV cache and the runtime."""
+        return self.rollout_weights + self.kv_cache + self.runtime
+
+    @property
     def total(self) -> float:
-        return self.learner + self.rollout_weights + self.kv_cache + self.runtime
+        """Per learner GPU (shared with the rollout engine when colocated)."""
+        if self.colocated:
+            return self.learner + self.rollout_weights + self.kv_cache + self.runtime
+        return self.learner + self.runtime
 
     @property
     def budget(self) -> float:
         return HEADROOM * self.gpu_memory
 
     @property
+    def rollout_budget(self) -> float:
+        """vLLM's share of a rollout GPU (the learner's budget when colocated)."""
+        return self.budget if self.colocated else ROLLOUT_FRACTION * self.rollout_gpu_memory
+
+    @property
+    def rollout_fits(self) -> bool:
+        return self.total <= self.budget if self.colocated else self.rollout <= self.rollout_budget
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.budget
+        return self.total <= self.budget and self.rollout_fits
+
+    @property
+    def learner_label(self) -> str:
+        off = ", offload" if self.offload else ""
+        return f"{self.gpus}x{self.gpu}, ZeRO-{self.zero_stage}{off}"
 
     @property
     def label(self) -> str:
-        off = ", offload" if self.offload else ""
-        return f"{self.gpus}x{self.gpu}, ZeRO-{self.zero_stage}{off}"
+        where = "colocated" if self.colocated else f"rollout {self.rollout_gpus}x{self.rollout_gpu} per server"
+        return f"{self.learner_label}; {where}"
 
 
 def lora_params(p: ModelPreset, rank: int = 8) -> float:
@@ -224,14 +264,23 @@ def plan(
     dtype_bytes: int = 2,
     micro_batch_tokens: int = MICRO_BATCH_TOKENS,
     logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+    rollout_gpus: str | None = None,
+    colocated: bool = False,
 ) -> Plan:
     """Per-GPU memory of a GRPO run (formulas in the module docstring); ``dtype_bytes`` is the
     learner's precision, 2 (bf16) or 4 (fp32); ``micro_batch_tokens`` and ``logit_chunk_tokens``
-    the learner's settings of those names."""
+    the learner's settings of those names. ``gpus`` are the learner's; ``rollout_gpus`` those of
+    one rollout model replica (default one of the learner's type), separate unless ``colocated``
+    (then the rollout engine shares ``gpus`` and ``rollout_gpus`` must be unset)."""
     if mode not in set(Mode):
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(Mode)}")
     mode = Mode(mode)
     kind, n = parse_gpus(gpus)
+    if colocated and rollout_gpus is not None:
+        raise ValueError("a colocated plan serves on the learner's GPUs; rollout_gpus is for a separate fleet")
+    rollout_kind, r = (kind, n) if colocated else parse_gpus(rollout_gpus or f"1x{kind}")
+    if r not in ROLLOUT_GPU_COUNTS and not colocated:
+        raise ValueError(f"a rollout server has 1, 2, 4 or 8 GPUs, not {r}")
     z = default_zero_stage(mode, n) if zero_stage is None else zero_stage
     if z not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {z}")
@@ -271,18 +320,32 @@ def plan(
         reference = learner_base / n if z == 3 else learner_base
 
     kv_per_token = 2 * a * p.kv_heads * p.head_dim * 2
-    kv = kv_per_token * groups_in_flight * group_size * max_tokens / n
+    kv = kv_per_token * groups_in_flight * group_size * max_tokens / r
 
     return Plan(
         model=p.short_name, mode=mode, gpu=kind, gpus=n, gpu_memory=GPU_MEMORY_GB[kind], zero_stage=z,
         offload=offload, checkpointing=checkpointing, group_size=group_size, max_tokens=max_tokens,
         micro_batch_tokens=micro_batch_tokens, logit_chunk_tokens=logit_chunk_tokens,
-        groups_in_flight=groups_in_flight, beta=beta,
+        groups_in_flight=groups_in_flight, beta=beta, colocated=colocated, rollout_gpu=rollout_kind,
+        rollout_gpus=r, rollout_gpu_memory=GPU_MEMORY_GB[rollout_kind],
         weights=weights / GB, gradients=gradients / GB, optimizer=optimizer / GB,
         activations_checkpointed=act_ckpt / GB, activations_full=act_full / GB, optimizer_step=step / GB,
         reference=reference / GB,
-        rollout_weights=base / n / GB, kv_cache=kv / GB, runtime=RUNTIME_GB,
+        rollout_weights=base / r / GB, kv_cache=kv / GB, runtime=RUNTIME_GB,
     )
+
+
+def smallest_rollout(p: ModelPreset, mode: Mode | str, gpu: str, **kwargs) -> int | None:
+    """The fewest GPUs of ``gpu``'s type one rollout replica must be tensor-parallel over (1, 2, 4
+    or 8) for its weights and KV cache to fit vLLM's budget; None when 8 do not. ``kwargs`` go to
+    ``plan`` (its learner settings do not matter here)."""
+    kind, _ = parse_gpus(gpu)
+    for key in ("zero_stage", "offload", "rollout_gpus", "colocated"):
+        kwargs.pop(key, None)
+    for r in ROLLOUT_GPU_COUNTS:
+        if plan(p, mode, f"1x{kind}", zero_stage=3, rollout_gpus=f"{r}x{kind}", **kwargs).rollout_fits:
+            return r
+    return None
 
 
 def smallest_fit(p: ModelPreset, mode: Mode | str, gpu: str, *, offload: bool = False, **kwargs) -> Plan | None:
@@ -290,10 +353,17 @@ def smallest_fit(p: ModelPreset, mode: Mode | str, gpu: str, *, offload: bool = 
     type (its count is ignored) and, at each count, ZeRO stages from low
     (less communication) to high. Offload is tried only when ``offload`` is
     set (then at stages 1 to 3): it trades step time for memory, a choice
-    left to the caller. ``kwargs`` go to ``plan``. None when 16 GPUs do not
-    suffice."""
+    left to the caller. Separate rollout GPUs (unless ``colocated``): the
+    rollout replica gets ``rollout_gpus`` if given, else the fewest that fit
+    (``smallest_rollout``). ``kwargs`` go to ``plan``. None when 16 GPUs (or
+    8 rollout GPUs) do not suffice."""
     kind, _ = parse_gpus(gpu)
     kwargs.pop("zero_stage", None)
+    if not kwargs.get("colocated") and kwargs.get("rollout_gpus") is None:
+        r = smallest_rollout(p, mode, kind, **kwargs)
+        if r is None:
+            return None
+        kwargs["rollout_gpus"] = f"{r}x{kind}"
     for n in GPU_COUNTS:
         for z in (1, 2, 3) if offload else (0, 1, 2, 3):
             candidate = plan(p, mode, f"{n}x{kind}", zero_stage=z, offload=offload, **kwargs)

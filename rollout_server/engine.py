@@ -164,6 +164,11 @@ def render_chat(tokenizer: Any, messages: list[Message] | list[dict], chat_templ
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def parallel_engine_args(settings: RolloutSettings) -> dict[str, int]:
+    """vLLM's parallel sizes from the server's settings (on Modal: ``deploy.layout.rollout_env``)."""
+    return {"tensor_parallel_size": settings.tensor_parallel_size, "data_parallel_size": settings.data_parallel_size}
+
+
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -263,6 +268,7 @@ class RolloutEngine:
             kv_cache_memory_bytes=kv_bytes,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_num_seqs=settings.max_num_seqs,
+            **parallel_engine_args(settings),
             # tandem's metrics come from our stat logger, not vLLM's periodic log lines
             disable_log_stats=True,
             enable_log_requests=False,

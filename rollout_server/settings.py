@@ -51,6 +51,12 @@ class RolloutSettings(WorkerSettings):
     ``VLLM_CPU_KVCACHE_SPACE`` environment variable, else 1 GiB; on GPU vLLM's own sizing."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """Fraction of accelerator memory vLLM may take (GPU only)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs one model replica is split over (vLLM ``tensor_parallel_size``). On Modal the deploy
+    section's layout sets it (``deploy.layout.rollout_env``)."""
+    data_parallel_size: int = Field(default=1, ge=1)
+    """Model replicas this engine runs (vLLM ``data_parallel_size``), each over ``tensor_parallel_size``
+    GPUs. Set by the deploy section's layout, as ``tensor_parallel_size``."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Sequences the engine batches in one step (vLLM ``max_num_seqs``); default vLLM's."""
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(

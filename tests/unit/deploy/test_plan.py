@@ -20,6 +20,12 @@ LoRA the upper bound is checked for both LoRA and QLoRA and the lower bound
 for LoRA; QLoRA, which exists to go lower, is allowed to. Every upper bound
 also holds at L = 2,048 (issue 24: with the whole group's logits in one
 micro-batch, 8B LoRA on one H100 and 14B full on eight did not).
+
+The table counts a run's GPUs, so its cells are checked in the layout where
+the whole run is on those GPUs: colocated (learner and vLLM share them). As
+deployed on Modal the rollout servers have GPUs of their own
+(``deploy/layout.py``); ``test_separate_rollout_gpus_never_need_more_learner_gpus``
+checks that layout against the table's upper bounds.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ from deploy.presets import PRESETS, preset
 
 
 def fits(model: str, mode: str, gpus: str, offload: bool = False, **kwargs) -> bool:
+    """Whether the whole run fits on ``gpus`` (the table counts a run's GPUs: learner and rollout engine on
+    the same ones, the colocated layout) at some ZeRO stage."""
     stages = (1, 2, 3) if offload else (0, 1, 2, 3)
+    kwargs.setdefault("colocated", True)
     return any(plan(preset(model), mode, gpus, zero_stage=z, offload=offload, **kwargs).fits for z in stages)
 
 
@@ -129,9 +138,21 @@ def test_moe_full_needs_more_than_eight():
     ],
 )
 def test_smallest_fit_on_80gb_is_within_the_table(model, mode, low, high):
-    best = smallest_fit(preset(model), mode, "H100")
+    best = smallest_fit(preset(model), mode, "H100", colocated=True)
     assert best is not None and best.fits
     assert low <= best.gpus <= high, best.label
+
+
+@pytest.mark.parametrize(("model", "mode", "upper"), [(m, "lora", u) for m, u, _ in LORA_CELLS]
+                         + [(m, "full", u) for m, u, _ in FULL_CELLS])
+def test_separate_rollout_gpus_never_need_more_learner_gpus(model, mode, upper):
+    # with vLLM on its own GPUs the learner's share is smaller: it fits within the cell's count, and one
+    # rollout replica needs at most two GPUs (the 32B policy's 64 GB of weights do not fit vLLM's 68 GB
+    # share of one 80 GB GPU with the KV cache)
+    p = preset(model)
+    best = smallest_fit(p, mode, "H100")
+    assert best is not None and not best.colocated and best.gpus <= parse_gpus(upper)[1], best.label
+    assert best.rollout_gpus == (2 if model == "olmo-3-1125-32b" else 1)
 
 
 def test_components_follow_the_zero_stage():
@@ -146,9 +167,21 @@ def test_components_follow_the_zero_stage():
     assert z3.activations_checkpointed < z3.activations_full
     assert plan(p, "full", "4xH100", beta=0.04).reference == pytest.approx(z3.weights)
     assert plan(p, "lora", "1xH100", beta=0.04).reference == 0
-    parts = ("weights", "gradients", "optimizer", "reference", "rollout_weights", "kv_cache", "runtime")
+    learner = ("weights", "gradients", "optimizer", "reference")
     step_or_activations = max(z3.activations, z3.optimizer_step)
-    assert z3.runtime == 2.0 and z3.total == pytest.approx(sum(getattr(z3, k) for k in parts) + step_or_activations)
+    # as deployed: the learner's GPUs hold the learner alone, one rollout GPU its weights and KV cache
+    assert z3.runtime == 2.0 and z3.total == pytest.approx(sum(getattr(z3, k) for k in learner) + step_or_activations
+                                                           + z3.runtime)
+    assert (z3.colocated, z3.rollout_gpus, z3.rollout_weights) == (False, 1, pytest.approx(2 * p.params / 1e9))
+    assert z3.rollout == pytest.approx(z3.rollout_weights + z3.kv_cache + z3.runtime)
+    assert z3.rollout_budget == pytest.approx(0.85 * 80)  # vLLM's gpu_memory_utilization of the rollout GPU
+    # colocated: vLLM tensor-parallel over the learner's 4 GPUs, everything on each of them
+    shared = plan(p, "full", "4xH100", zero_stage=3, colocated=True)
+    assert shared.rollout_weights == pytest.approx(z3.rollout_weights / 4) and shared.rollout_gpus == 4
+    assert shared.total == pytest.approx(sum(getattr(shared, k) for k in (*learner, "rollout_weights", "kv_cache"))
+                                         + step_or_activations + shared.runtime)
+    with pytest.raises(ValueError, match="colocated"):
+        plan(p, "full", "4xH100", colocated=True, rollout_gpus="1xH100")
     assert z3.optimizer_step == pytest.approx(8 * z3.gradients / 2)  # fp32 gradient copy + sqrt(v) + eps, sharded
     # QLoRA: NF4 linear layers (0.516 bytes/param with block constants), bf16 embedding and head
     emb = 151936 * 4096 * 2
@@ -164,7 +197,7 @@ def test_lora_trains_only_the_attention_adapter():
 
 def test_kv_cache_per_token():
     p = preset("qwen3-8b-base")  # 36 layers, 8 KV heads of 128: 147,456 bytes per token
-    kv = plan(p, "lora", "2xH100", group_size=4, max_tokens=1000, groups_in_flight=3).kv_cache
+    kv = plan(p, "lora", "1xH100", group_size=4, max_tokens=1000, groups_in_flight=3, rollout_gpus="2xH100").kv_cache
     assert kv == pytest.approx(2 * 36 * 8 * 128 * 2 * 3 * 4 * 1000 / 2 / 1e9)
 
 
@@ -201,7 +234,14 @@ def test_cli_exit_codes_and_json():
     assert no.exit_code == 2, no.output
     out = json.loads(no.output)
     assert out["fits"] is False and out["gpus"] == 1 and out["total"] > out["budget"] == 72.0
-    assert out["smallest_fit"] == "4xH100, ZeRO-2"
+    assert out["smallest_fit"] == "4xH100, ZeRO-2; rollout 1xH100 per server"
+    assert (out["rollout_gpus"], out["rollout_fits"], out["rollout_budget"]) == (1, True, 68.0)
+    # a 32B policy does not fit one 80 GB rollout GPU (64 GB of weights, vLLM takes 85%): two do
+    olmo = ["plan", "--model", "olmo-3-1125-32b", "--mode", "lora", "--gpus", "2xH100", "--zero-stage", "3", "--json"]
+    one = json.loads(runner.invoke(app, olmo).output)
+    assert (one["rollout_fits"], one["fits"], one["smallest_fit"]) == (False, False,
+                                                                      "2xH100, ZeRO-3; rollout 2xH100 per server")
+    assert runner.invoke(app, [*olmo, "--rollout-gpus", "2xH100"]).exit_code == 0
     # without checkpointing every layer's activations stay: 8B LoRA no longer fits on one H100
     lora = ["plan", "--model", "qwen3-8b-base", "--mode", "lora", "--gpus", "1xH100", "--json"]
     assert runner.invoke(app, lora).exit_code == 0

@@ -2,7 +2,8 @@
 
 Each file names its model by ``model.path``'s directory (a preset of
 ``deploy/presets.py``) and notes, in a ``#   tandem plan ...`` comment, the
-planner's smallest fitting GPU configuration. The checks: the file loads with
+planner's smallest fitting GPU configuration (the learner's GPUs and, separate, those of one
+rollout server, as deployed on Modal). The checks: the file loads with
 ``load_run_config``; its file name is ``<preset>-<mode>.toml``; every setting
 the planner depends on (mode, ZeRO stage, offload, checkpointing, G, max
 tokens, micro-batch tokens, LoRA rank and targets) agrees with the noted plan; that plan fits and
@@ -77,7 +78,11 @@ def test_preset_config_loads_and_fits_its_noted_plan(path: Path):
         kwargs["lora_rank"] = cfg.learner.lora.r
         assert cfg.publish.lora_format == "adapter"  # the rollout server serves each version as a LoRA adapter
 
-    result = planner.plan(p, mode, str(opts["gpus"]), zero_stage=cfg.learner.zero_stage, offload=offload, **kwargs)
+    # the layout as deployed: rollout servers on GPUs of their own (tests/unit/deploy/test_layout.py
+    # checks examples/presets/modal/ deploys exactly this)
+    assert "colocated" not in opts
+    result = planner.plan(p, mode, str(opts["gpus"]), zero_stage=cfg.learner.zero_stage, offload=offload,
+                          rollout_gpus=str(opts["rollout-gpus"]), **kwargs)
     assert result.fits, f"{path.name}: {result.label} needs {result.total:.1f} GB per GPU > {result.budget:.1f}"
     smallest = planner.smallest_fit(p, mode, result.gpu, offload=offload, **kwargs)
     assert smallest is not None and smallest.label == result.label, (
