@@ -3,7 +3,7 @@ its episodes become tandem training groups (``rollout_server.verifiers_env``) th
 
 The environment (``ENV_MODULE``, written to a temporary folder and imported by id, as verifiers imports an
 installed one): three-digit sums; a harness whose program (``PROGRAM``, run by verifiers' subprocess runtime
-with this interpreter) asks the model, then hands it the environment's calculator result as a ``tool``
+with this interpreter) asks the model (streamed), then hands it the environment's calculator result as a ``tool``
 message and asks again; a rubric of two ``@vf.reward`` functions (the sum in the last answer, weight 1; its
 share of digits, weight 0.5). The train-client path (``/inference/v1/generate``) keeps the model's tokens
 exactly across both turns: the log-probs of every generated token of a sample, recomputed by Hugging Face on
@@ -90,8 +90,9 @@ import openai
 base, key, model, prompt, relayed = sys.argv[1:6]
 client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
 messages = [{"role": "user", "content": prompt}]
-first = client.chat.completions.create(model=model, messages=messages)
-messages.append({"role": "assistant", "content": first.choices[0].message.content or ""})
+first = "".join(chunk.choices[0].delta.content or "" for chunk in  # the first turn streamed, the second not
+                client.chat.completions.create(model=model, messages=messages, stream=True) if chunk.choices)
+messages.append({"role": "assistant", "content": first})
 a, b = map(int, re.findall(r"[0-9]+", prompt)[:2])
 messages.append({"role": "tool", "content": f"calculator: {a}+{b}={a + b}"})
 second = client.chat.completions.create(model=model, messages=messages)
