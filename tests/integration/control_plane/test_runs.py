@@ -347,11 +347,16 @@ async def _collect(ticks) -> list:
 
 async def test_a_cancellation_the_redis_client_loses_still_ends_the_watcher(control_redis):
     # redis-py 8.1 on Python 3.11 can swallow a cancellation that lands inside a command (seen under
-    # load: wait_for(watcher.next(), 0.3) hung for good); the watcher must still end
+    # load: wait_for(watcher.next(), 0.3) hung for good); the watcher must still end. The cancellation
+    # lands inside the command every time (one in the watcher's own poll sleep ends it without
+    # raise_if_cancelled: cancelling after a fixed 0.1 s caught a missing check only at some instants)
+    in_command = asyncio.Event()
+
     class SwallowingStore(RunStore):
         async def active(self):
+            in_command.set()
             try:
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)  # the command in flight
             except asyncio.CancelledError:
                 pass  # what the client does: the command completes, the cancellation is gone
             return await super().active()
@@ -359,7 +364,7 @@ async def test_a_cancellation_the_redis_client_loses_still_ends_the_watcher(cont
     stop = threading.Event()
     runs = RunWatcher(SwallowingStore(control_redis), poll_s=0.02, stop=stop)
     task = asyncio.create_task(runs.next())
-    await asyncio.sleep(0.1)
+    await in_command.wait()  # the task is inside its first command now
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=3)
     stop.set()  # lets a watcher that lost the cancellation end, so a failure does not hang the session
