@@ -463,7 +463,6 @@ def audit(
 ) -> None:
     """Check a run's trajectory ledger: every group accounted for once, none trained twice, staleness within
     eta, versions contiguous and loaded as published. Exits 1 on any violation."""
-    import asyncio
     import json
 
     from deploy.audit import audit as check
@@ -476,30 +475,11 @@ def audit(
         except FileNotFoundError as e:
             _fail(str(e))
     else:
-        from broker import Keys, connect
-        from broker.keys import check_run_id
+        from broker import Keys
         from broker.ledger import Ledger
 
-        try:
-            keys = Keys(check_run_id(target))
-        except ValueError as e:
-            _fail(f"{target}: no such file or directory, and not a run id: {e}")
-        secret = _settings("client").redis_url
-        url = secret.get_secret_value() if secret else None
-        info = run_dir / "stack.json"
-        if not url and info.exists():
-            url = json.loads(info.read_text()).get("redis_url")
-        if not url:
-            _fail(f"{target} is not a path, and no running stack in {run_dir} (or REDIS_URL) to read its ledger from")
-
-        async def read() -> list[dict]:
-            redis = connect(url)
-            try:
-                return await Ledger(redis, keys).read()
-            finally:
-                await redis.aclose()
-
-        entries = asyncio.run(read())
+        url = _stack_redis_url(target, run_dir, f"{target}: no such file or directory")
+        entries = _on_redis(url, lambda redis: Ledger(redis, Keys(target)).read())
         if not entries:
             _fail(f"run {target}: its ledger is empty (unknown run?)", code=1)
         verdict = check(entries)
@@ -509,6 +489,43 @@ def audit(
     else:
         _print_audit(report)
     raise typer.Exit(0 if verdict.ok else 1)
+
+
+def _stack_redis_url(run_id: str, run_dir: Path, not_found: str) -> str:
+    """The Redis URL holding run ``run_id``'s streams: REDIS_URL, else the running stack's in ``run_dir``.
+    Exits 2 naming ``not_found`` when ``run_id`` is not a run id or no Redis is known."""
+    import json
+
+    from broker.keys import check_run_id
+
+    try:
+        check_run_id(run_id)
+    except ValueError as e:
+        _fail(f"{not_found}, and not a run id: {e}")
+    secret = _settings("client").redis_url
+    url = secret.get_secret_value() if secret else None
+    info = run_dir / "stack.json"
+    if not url and info.exists():
+        url = json.loads(info.read_text()).get("redis_url")
+    if not url:
+        _fail(f"{not_found}, and no running stack in {run_dir} (or REDIS_URL) to read run {run_id} from")
+    return url
+
+
+def _on_redis(url: str, read):
+    """``await read(redis)`` on a connection to ``url``, closed afterwards."""
+    import asyncio
+
+    from broker import connect
+
+    async def run():
+        redis = connect(url)
+        try:
+            return await read(redis)
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(run())
 
 
 def _print_audit(r: dict) -> None:
@@ -570,8 +587,6 @@ def trace(
 ) -> None:
     """Write the run's timeline (every service's spans, incidents) as Chrome/Perfetto trace-event JSON: open it in
     ui.perfetto.dev. See docs/trace.md."""
-    import asyncio
-    import json
 
     from deploy import trace as tr
 
@@ -580,29 +595,8 @@ def trace(
         spans, incidents = tr.from_run_dir(path)
         name = path.resolve().name
     else:
-        from broker import connect
-        from broker.keys import check_run_id
-
-        try:
-            check_run_id(run)
-        except ValueError as e:
-            _fail(f"{run}: no run directory with a timeline.jsonl, and not a run id: {e}")
-        secret = _settings("client").redis_url
-        url = secret.get_secret_value() if secret else None
-        info = run_dir / "stack.json"
-        if not url and info.exists():
-            url = json.loads(info.read_text()).get("redis_url")
-        if not url:
-            _fail(f"{run}: no run directory with a timeline.jsonl, and no running stack in {run_dir} (or REDIS_URL)")
-
-        async def read():
-            redis = connect(url)
-            try:
-                return await tr.from_redis(redis, run)
-            finally:
-                await redis.aclose()
-
-        spans, incidents = asyncio.run(read())
+        url = _stack_redis_url(run, run_dir, f"{run}: no run directory with a timeline.jsonl")
+        spans, incidents = _on_redis(url, lambda redis: tr.from_redis(redis, run))
         name = run
     if not spans:
         _fail(f"run {run}: no spans recorded (unknown run?)", code=1)
