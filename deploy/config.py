@@ -323,7 +323,10 @@ def describe(plan: ModalDeploy, run_name: str) -> list[str]:
         lines.append(f"  {which}: web endpoint <workspace>--{name}-{which}.modal.run; {role(r)}; "
                      f"{r.min_containers}..{r.max_containers or 'any'} containers")
     r, a = plan.rollout, plan.autoscale
-    lines.append(f"  rollout: {role(r)}; {r.min_containers}..{r.max_containers or 'any'} containers, "
+    parallel = role_env(plan, "rollout")
+    lines.append(f"  rollout: {role(r)}; vLLM tensor_parallel_size {parallel['TANDEM_ROLLOUT_TENSOR_PARALLEL_SIZE']}, "
+                 f"data_parallel_size {parallel['TANDEM_ROLLOUT_DATA_PARALLEL_SIZE']}; "
+                 f"{r.min_containers}..{r.max_containers or 'any'} containers, "
                  + (f"set every {a.interval_s} s by the autoscaler (more after {a.up_after} looks, fewer after "
                     f"{a.down_after}, {a.cooldown_s:g} s apart; at most the run's admission capacity)"
                     if a.enabled else f"fixed at {r.min_containers} (autoscaler off)"))
