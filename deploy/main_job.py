@@ -27,6 +27,7 @@ Exit code 0 only when every step succeeded and the audit passed.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import shutil
 import time
@@ -58,15 +59,14 @@ def ensure_model(config: RunConfig, console: Console) -> None:
         if (config.model.path / "config.json").exists():
             return
         raise JobError(f"model.path {config.model.path} holds no model and model.bootstrap is not set")
-    from examples.arith.bootstrap import SFT_STEPS, bootstrap, is_built
-
-    if is_built(config.model.path, config.data.train):
+    example = importlib.import_module(f"examples.{config.model.bootstrap}.bootstrap")
+    if example.is_built(config.model.path, config.data.train):
         return
 
     console.print(f"bootstrapping the example model into {config.model.path} (a one-time cold start)")
-    with progress_bar("bootstrap SFT", total=SFT_STEPS) as update:
-        bootstrap(config.model.path, config.data.train,
-                  progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))
+    with progress_bar("bootstrap SFT", total=example.SFT_STEPS) as update:
+        example.bootstrap(config.model.path, config.data.train,
+                          progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))
 
 
 async def _eval_final(stack: Stack, config: RunConfig, run_id: str, version: int) -> wire.EvalPoint:
@@ -228,6 +228,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         "stale_dropped": st.stale_dropped,
         "counters": status.counters,
         "throughput": _run_means(points, wire.Throughput.model_fields),
+        "episodes": _run_means(points, EPISODE_MEANS),
         "incidents": [i.model_dump(mode="json", exclude={"stack"}) for i in incidents],
     }
     try:
@@ -242,6 +243,11 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
     console.print(f"audit: ok ({verdict['groups']['trained']} groups trained once each, "
                   f"{verdict['groups']['dropped']} dropped with a reason, none lost)")
     return run_dir
+
+
+EPISODE_MEANS = ("episode_turns_mean", "tool_calls_mean", "tool_success_frac")
+"""The learner's per-step episode figures (``learner.trainer.episode_means``): summary.json's ``episodes``
+holds their means over the run (None for a run without episodes; docs/episodes.md, section 7)."""
 
 
 def _run_means(points: list[wire.MetricPoint], names) -> dict[str, float | None]:

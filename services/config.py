@@ -37,8 +37,9 @@ class ModelConfig(Section):
     """Parameter dtype in the rollout engine."""
     max_model_len: int = Field(default=512, ge=16)
     """Longest prompt + completion, in tokens."""
-    bootstrap: Literal["arith"] | None = None
-    """If set and ``path`` holds no model yet, ``tandem run`` builds this example model there first."""
+    bootstrap: Literal["arith", "tool_arith"] | None = None
+    """If set and ``path`` holds no model yet, ``tandem run`` builds this example model there first
+    (``examples/<name>/bootstrap.py``, from ``data.train``)."""
 
 
 class DataConfig(Section):
