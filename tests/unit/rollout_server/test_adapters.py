@@ -10,7 +10,14 @@ import json
 
 import pytest
 
-from rollout_server.adapters import AdapterTransport, lora_rank, max_lora_rank, misfit
+from rollout_server.adapters import (
+    AdapterTransport,
+    lora_engine_args,
+    lora_rank,
+    lora_targets,
+    max_lora_rank,
+    misfit,
+)
 from rollout_server.transports import WeightLoadError
 from services.config import parse_run_config
 
@@ -40,12 +47,12 @@ def _write(root, version: int, tensors, r: int = 2, peft_type: str = "LORA"):
                                extra_files={"adapter_config.json": config})
 
 
-async def _prepare(tmp_path, written, sha: str | None = None, max_rank: int = 8):
+async def _prepare(tmp_path, written, sha: str | None = None, max_rank: int = 8, targets: list[str] | None = None):
     from services.wire import LoadWeights
 
     base = tmp_path / "base"
     base.mkdir(exist_ok=True)
-    transport = AdapterTransport(base, REFERENCE, max_rank)
+    transport = AdapterTransport(base, REFERENCE, max_rank, targets=targets)
     return await transport.prepare(LoadWeights(version=written.version, uri=str(written.path),
                                                sha256=sha or written.sha256))
 
@@ -78,6 +85,13 @@ async def test_adapter_that_does_not_fit_is_refused(tmp_path, tensors, r, peft_t
     assert e.value.status == 422
 
 
+async def test_adapter_of_modules_the_engine_does_not_wrap_is_refused(tmp_path):
+    written = _write(tmp_path / "w", 1, _tensors())
+    assert (await _prepare(tmp_path, written, targets=["q_proj", "v_proj"])).location == written.path
+    with pytest.raises(WeightLoadError, match=r"v_proj.lora_A.weight: the engine serves LoRA on \['q_proj'\] only"):
+        await _prepare(tmp_path, written, targets=["q_proj"])
+
+
 async def test_full_weights_and_a_wrong_checksum_are_refused(tmp_path):
     import torch
 
@@ -105,6 +119,11 @@ def test_which_runs_an_engine_serves(tmp_path):
     merged = parse_run_config({**base, "learner": {"lora": {"r": 8}}})
     adapter = parse_run_config({**base, "learner": {"lora": {"r": 16}}, "publish": {"lora_format": "adapter"}})
     assert (lora_rank(full), lora_rank(merged), lora_rank(adapter)) == (None, None, 16)
+    assert (lora_targets(merged), lora_targets(adapter)) == (None, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert lora_engine_args(16, lora_targets(adapter)) == {
+        "enable_lora": True, "max_lora_rank": 16, "max_loras": 1, "max_cpu_loras": 2,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    assert lora_engine_args(4)["lora_target_modules"] is None and lora_engine_args(4)["max_lora_rank"] == 8
     serving = AdapterTransport(tmp_path, REFERENCE, 16)
     assert misfit(full, None) is None and misfit(merged, None) is None and misfit(adapter, serving) is None
     assert "full weights" in misfit(adapter, None)
