@@ -197,9 +197,15 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         if config.eval.before and not any(e["version"] == 0 for e in evals):
             raise JobError("no held-out evaluation of version 0 was recorded (see the rollout server's log)")
         n = config.eval.samples
-        console.print(f"held-out {'mean@n / pass@n' if n > 1 else 'accuracy'} by policy version: " + ", ".join(
-            f"v{e['version']} {e['accuracy']:.1%}" + (f" / {e['pass_at'][n]:.1%}" if n in e.get("pass_at", {}) else "")
-            for e in evals))
+        if evals:  # none with [eval] off (examples/tool_arith: held-out evaluation is single-turn)
+            console.print(f"held-out {'mean@n / pass@n' if n > 1 else 'accuracy'} by policy version: " + ", ".join(
+                f"v{e['version']} {e['accuracy']:.1%}" + (f" / {e['pass_at'][n]:.1%}" if n in e.get("pass_at", {})
+                                                           else "")
+                for e in evals))
+        episodes = _run_means(points, EPISODE_MEANS)
+        if episodes["episode_turns_mean"] is not None:
+            console.print("episodes (run means): " + ", ".join(
+                f"{name} {value:.2f}" for name, value in episodes.items() if value is not None))
         if after is not None:
             console.print(f"held-out accuracy after:  {eval_text(after)} (policy version {version}, "
                           f"{after.count} prompts)")

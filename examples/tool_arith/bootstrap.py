@@ -13,8 +13,8 @@ split, two ways:
 
 So the model alone is mostly wrong, with the tool right, and it calls the tool in about a third of its
 samples: GRPO (``run.toml``) raises the share of tool-using, correct answers. The model is smaller than
-examples/arith's (hidden 64, 3 layers) and the cold start short, so that it is built in about a minute
-of one core: it only has to learn to copy, the digits into the call and the result into the answer.
+examples/arith's (hidden 64, 3 layers) and the cold start short, so that it is built in about two
+minutes of one core: it only has to learn to copy, the digits into the call and the result into the answer.
 
 Deterministic from the seed. A directory whose ``tandem.json`` records the same recipe is reused.
 """
@@ -39,7 +39,10 @@ ALPHABET = DEFAULT_ALPHABET
 observation is tokenised as the tool wrote it (an ``<error>`` explains in words), and the rollout
 server cannot tokenise a character the vocabulary lacks."""
 TOOL_SHARE = 0.3
-SFT_STEPS = 400
+SFT_STEPS = 800
+"""Measured (HF sampling at temperature 1 of 96 training prompts, the calculator answering): the model
+calls the tool in 38% of them and answers 33% right, every right answer through the tool; with 400
+steps it called the tool in 27% and miscopied most calls (9% right). 115 s of one core."""
 SUM = re.compile(r"(\d+)\+(\d+)=")
 
 
