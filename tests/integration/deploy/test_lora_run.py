@@ -1,8 +1,9 @@
 """``tandem run`` of a LoRA run that publishes adapters (``publish.lora_format = "adapter"``), as the
 LoRA presets do: the learner writes each version as a PEFT adapter, the rollout server (started with
 the run's config, so with vLLM's LoRA at ``learner.lora.r``) loads each one as an adapter, generates
-with it and evaluates the final one. Before ``rollout_server.adapters`` such a run could not get past
-its first version (the rollout server refused an adapter as weights that do not fit the model)."""
+with it and evaluates the final one. With the rollout engine started without LoRA (``lora_rank=None``
+in ``rollout_server.app``, tried on a copy) the server refuses the run ("it publishes LoRA adapters
+(rank 8); this server was started for full weights") and no step is ever trained."""
 
 from __future__ import annotations
 
