@@ -11,8 +11,9 @@ learner's writer (``services.weightstore.write_version``; the adapter in the lay
 Then, as a run would be served:
 
 - **merged**: a plain vLLM engine (``RolloutEngine``) loads each full version in place;
-- **adapter**: an engine started with LoRA (``lora_rank``) loads each as an adapter
-  (``rollout_server.adapters``: add the new one, remove the previous one).
+- **adapter**: an engine started with LoRA (``lora_rank``, LoRA layers on the targets only, as a
+  run's server starts) loads each as an adapter (``rollout_server.adapters``: add the new one,
+  remove the previous one).
 
 Both engines run at once and take turns (who goes first alternates), so the machine's load falls on
 both alike. A reload is ``RolloutEngine.load_weights``, end to end: read and sha256 the version,
@@ -88,7 +89,8 @@ async def start(model: Path, lora_rank: int | None):
     t0 = time.perf_counter()
     engine = await RolloutEngine.start(model, RolloutSettings(kv_cache_gib=0.5, enforce_eager=True, seed=0),
                                        metrics=RolloutMetrics(CollectorRegistry()), max_model_len=256,
-                                       dtype="float32", lora_rank=lora_rank)
+                                       dtype="float32", lora_rank=lora_rank,
+                                       lora_targets=TARGETS if lora_rank else None)  # as a run's server: its targets
     return engine, time.perf_counter() - t0
 
 
