@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout_server.transports import PREPARE_THREAD, Prepared, WeightLoadError
-from services import watchdog, weightstore
+from rollout_server.transports import LocalVersions, Prepared, WeightLoadError
+from services import weightstore
 from services.config import RunConfig
 from services.wire import LoadWeights
 
@@ -93,7 +93,7 @@ class Serving:
     version: int
 
 
-class AdapterTransport:
+class AdapterTransport(LocalVersions):
     """Weight versions that are PEFT LoRA adapters, named by a path or ``file://`` URI.
 
     ``base`` is the model directory the engine started on (loading it means: no adapter) and
@@ -110,17 +110,8 @@ class AdapterTransport:
         self.serving = Serving(None, version)
         self._next_id = 1
 
-    def accepts(self, uri: str) -> bool:
-        return "://" not in uri or uri.startswith("file://")
-
-    async def prepare(self, request: LoadWeights) -> Prepared:
-        return await watchdog.in_thread(self._prepare, request, name=PREPARE_THREAD)
-
     def _prepare(self, request: LoadWeights) -> Prepared:
-        try:
-            path = weightstore.uri_to_path(request.uri)
-        except weightstore.WeightStoreError as e:
-            raise WeightLoadError(422, str(e)) from e
+        path = self.path_of(request)
         if path.resolve() == self.base:
             return Prepared(request, None, 0)  # the base weights: no adapter
         if not path.is_dir():

@@ -95,7 +95,32 @@ def confine(uri: str, root: Path) -> Path:
 # -- filesystem ---------------------------------------------------------------
 
 
-class FilesystemTransport:
+class LocalVersions:
+    """What the transports of versions in local directories share: paths and ``file://`` URIs,
+    checked in a thread of their own (:meth:`_prepare`, from the version's directory)."""
+
+    def accepts(self, uri: str) -> bool:
+        return "://" not in uri or uri.startswith("file://")
+
+    async def prepare(self, request: LoadWeights) -> Prepared:
+        # hashing gigabytes takes seconds: keep it off the event loop, in a thread of its own, so
+        # that a read that never returns (a hung network filesystem) holds no shared executor slot
+        # when the engine's reload bound abandons it
+        return await watchdog.in_thread(self._prepare, request, name=PREPARE_THREAD)
+
+    @staticmethod
+    def path_of(request: LoadWeights) -> Path:
+        """The directory ``request`` names; 422 when its URI is not a version under the run directory."""
+        try:
+            return weightstore.uri_to_path(request.uri)
+        except weightstore.WeightStoreError as e:
+            raise WeightLoadError(422, str(e)) from e
+
+    def _prepare(self, request: LoadWeights) -> Prepared:
+        raise NotImplementedError
+
+
+class FilesystemTransport(LocalVersions):
     """Weights in a directory of safetensors, named by a path or ``file://`` URI.
 
     ``reference`` is the signature (tensor names and shapes) of the model the
@@ -107,20 +132,8 @@ class FilesystemTransport:
     def __init__(self, reference: dict[str, tuple[int, ...]]) -> None:
         self.reference = reference
 
-    def accepts(self, uri: str) -> bool:
-        return "://" not in uri or uri.startswith("file://")
-
-    async def prepare(self, request: LoadWeights) -> Prepared:
-        # hashing gigabytes takes seconds: keep it off the event loop, in a thread of its own, so
-        # that a read that never returns (a hung network filesystem) holds no shared executor slot
-        # when the engine's reload bound abandons it
-        return await watchdog.in_thread(self._prepare, request, name=PREPARE_THREAD)
-
     def _prepare(self, request: LoadWeights) -> Prepared:
-        try:
-            path = weightstore.uri_to_path(request.uri)
-        except weightstore.WeightStoreError as e:
-            raise WeightLoadError(422, str(e)) from e
+        path = self.path_of(request)
         if not path.is_dir():
             raise WeightLoadError(404, f"weights for version {request.version} not found: {path} is not a directory")
         try:
