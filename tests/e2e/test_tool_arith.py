@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,22 @@ TIMEOUT_S = 900
 MODEL = ROOT / "runs/models/tool_arith"
 """Where ``tandem run examples/tool_arith/run.toml`` builds the policy: the run builds it there if it
 holds no model of the current recipe, and reuses it otherwise (as a user's run does)."""
+
+
+def _stop_stack(pid: int) -> None:
+    """Kill what a killed ``tandem run`` (process ``pid``) left: its services and Redis, tagged in their
+    environment with ``OWNER_VARIABLE=PID-...`` (tests/integration/deploy/test_main_job.py reads the same)."""
+    from broker.processes import OWNER_VARIABLE
+
+    variable, mine = f"{OWNER_VARIABLE}=".encode(), f"{pid}-".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and any(
+                    v.startswith(variable) and any(t.startswith(mine) for t in v[len(variable):].split(b"/"))
+                    for v in (entry / "environ").read_bytes().split(b"\0")):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
 
 
 def _scalars(runs: Path) -> dict[str, dict[int, float]]:
@@ -73,8 +90,16 @@ def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     runs = tmp_path / "runs"
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", str(config), "--runs", str(runs)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config), "--runs", str(runs)], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = job.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.communicate()
+        _stop_stack(job.pid)  # its services have process groups of their own: they outlive it
+        raise
+    done = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
     wall = time.monotonic() - t0
     print(done.stdout[-3000:], done.stderr[-3000:], f"\ntandem run: {wall:.0f} s", sep="\n")
     assert done.returncode == 0, done.stderr[-4000:]
