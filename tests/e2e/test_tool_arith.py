@@ -41,17 +41,21 @@ MODEL = ROOT / "runs/models/tool_arith"
 holds no model of the current recipe, and reuses it otherwise (as a user's run does)."""
 
 
-def _stop_stack(pid: int) -> None:
+def _stop_stack(pid: int, runs: Path) -> None:
     """Kill what a killed ``tandem run`` (process ``pid``) left: its services and Redis, tagged in their
-    environment with ``OWNER_VARIABLE=PID-...`` (tests/integration/deploy/test_main_job.py reads the same)."""
+    environment with ``OWNER_VARIABLE=PID-...`` (tests/integration/deploy/test_main_job.py reads the same),
+    and vLLM's engine processes, which carry only ``TANDEM_RUN_DIR`` (a stack directory under ``runs``)."""
     from broker.processes import OWNER_VARIABLE
 
-    variable, mine = f"{OWNER_VARIABLE}=".encode(), f"{pid}-".encode()
+    variable, mine, run_dir = f"{OWNER_VARIABLE}=".encode(), f"{pid}-".encode(), f"TANDEM_RUN_DIR={runs}/".encode()
+
+    def left_by_it(value: bytes) -> bool:
+        tagged = value.startswith(variable) and any(t.startswith(mine) for t in value[len(variable):].split(b"/"))
+        return tagged or value.startswith(run_dir)
+
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and any(
-                    v.startswith(variable) and any(t.startswith(mine) for t in v[len(variable):].split(b"/"))
-                    for v in (entry / "environ").read_bytes().split(b"\0")):
+            if entry.name.isdigit() and any(map(left_by_it, (entry / "environ").read_bytes().split(b"\0"))):
                 os.kill(int(entry.name), signal.SIGKILL)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
@@ -97,7 +101,7 @@ def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
     except subprocess.TimeoutExpired:
         job.kill()
         job.communicate()
-        _stop_stack(job.pid)  # its services have process groups of their own: they outlive it
+        _stop_stack(job.pid, runs)  # its services have process groups of their own: they outlive it
         raise
     done = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
     wall = time.monotonic() - t0
