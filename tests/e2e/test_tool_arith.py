@@ -13,9 +13,9 @@ run's TensorBoard events (``train/<name>`` per learner step):
 - the calls are answered (``tool_success_frac``) and the episodes take the second turn they need;
 - summary.json carries the same figures (``episodes``), and the audit passed (``tandem run`` exits 0).
 
-Measured (docs/episodes.md, section 8): reward 0.325 -> 0.805 and 0.314 -> 0.791, tool calls per
-episode 0.352 -> 0.939 and 0.350 -> 0.936 (275 s and 395 s on 2 busy cores, the cold start already
-built; building it adds about 2 minutes of one core).
+Measured (docs/episodes.md, section 8): reward 0.325 -> 0.805, 0.314 -> 0.791 and 0.319 -> 0.767,
+tool calls per episode 0.352 -> 0.939, 0.350 -> 0.936 and 0.347 -> 0.931 (275 s, 395 s and 185 s on 2
+busy cores, the cold start already built; building it adds about 2 minutes of one core).
 """
 
 from __future__ import annotations
