@@ -34,13 +34,15 @@ def char_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: str | None =
     dropped rather than mapped to an unknown token. No chat template unless ``chat_template`` is
     given (e.g. :data:`CHAT_TEMPLATE`): prompts are plain text.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for c in [*sorted(set(alphabet)), *extra]:
         vocab.setdefault(c, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))  # an unknown token would make WordLevel raise:
+    chars = "".join(f"\\x{{{ord(c):x}}}" for c in vocab if len(c) == 1)
+    tok.normalizer = normalizers.Replace(Regex(f"[^{chars}]"), "")  # so the normalizer drops unknown characters
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
