@@ -215,6 +215,8 @@ def run(
     runs_root: Annotated[Path, typer.Option("--runs", help="Where run directories go.")] = Path("runs"),
 ) -> None:
     """The main job: start the stack, evaluate, train with GRPO, evaluate, write a report, stop."""
+    import signal
+
     from deploy.main_job import JobError, run_job
     from deploy.stack import StackError
     from services.config import ConfigError, load_run_config
@@ -223,10 +225,13 @@ def run(
         run_config = load_run_config(config)
     except ConfigError as e:
         _fail(str(e))
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C: its services with it
     try:
         run_dir = run_job(config, run_config, _settings("stack"), runs_root)
     except (JobError, StackError) as e:
         _fail(f"tandem run failed: {e}", code=1)
+    except KeyboardInterrupt:
+        _fail(f"tandem run stopped: interrupted; its services are stopped, its files are under {runs_root}", code=130)
     typer.echo(str(run_dir))
 
 

@@ -14,12 +14,15 @@
 - Runs that must fail: a config with a bad field (exit 2 naming the field,
   before anything starts) and a service that cannot start (exit 1 naming it
   and its log, no process left behind).
+- A run stopped by SIGTERM while it trains (what a job scheduler or ``docker
+  stop`` sends): exit 130, no process left behind, its run directory kept.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -169,3 +172,28 @@ def test_a_service_that_cannot_start_fails_the_run_and_leaves_no_process(tmp_pat
         " ".join(err.split()), err
     assert "max_prompt_set_lines" in (stack / "logs" / "control.log").read_text()
     assert not _owned_by_pid(job.pid), "a process the stack started is still alive"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_its_services_and_keeps_its_files(tmp_path, arith_model):
+    config_path = short_run_config(tmp_path, arith_model, steps=200, checkpoint_every=50)
+    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config_path), "--runs",
+                            str(tmp_path / "runs")], cwd=ROOT, env=_env(TANDEM_STACK_STOP_GRACE_S="5"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in job.stdout:  # wait until the run is created and training
+            lines.append(line)
+            if "prompt groups queued" in line:
+                break
+        assert job.poll() is None, "".join(lines) + job.stderr.read()
+        run_id = line.split()[1].rstrip(":")
+        job.send_signal(signal.SIGTERM)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 130, "".join(lines) + out + err
+    assert "tandem run stopped: interrupted" in " ".join(err.split()), err
+    assert not _owned_by_pid(job.pid), "a process the stack started is still alive"
+    assert (tmp_path / "runs" / run_id / "logs").is_dir(), "the run's files were not kept under its id"
