@@ -36,8 +36,8 @@ from examples.tiny import DEFAULT_ALPHABET
 
 ALPHABET = DEFAULT_ALPHABET
 """Printable ASCII: the prompts, the call and the answer tags need only a few characters, but an
-observation is tokenised as the tool wrote it (an ``<error>`` explains in words), and the rollout
-server cannot tokenise a character the vocabulary lacks."""
+observation is tokenised as the tool wrote it (an ``<error>`` explains in words), and the tokenizer
+drops a character its vocabulary lacks (``examples.tiny.char_tokenizer``)."""
 TOOL_SHARE = 0.3
 SFT_STEPS = 800
 """Measured (HF sampling at temperature 1 of 96 training prompts, the calculator answering): the model
