@@ -1,7 +1,7 @@
 """The tool example end to end: ``tandem run`` of examples/tool_arith/run.toml (shortened) learns to call the calculator.
 
 The run builds the example's policy from code first if it is not built yet (``model.bootstrap =
-"tool_arith"``: the cold start of examples/tool_arith/bootstrap.py, in runs/models/tool_arith), then trains on episodes of
+"tool_arith"``: the cold start of examples/tool_arith/bootstrap.py, under the test's directory), then trains on episodes of
 three-digit sums in which the model may call ``<tool>calculator: a+b</tool>``. Each training prompt is
 seen once, so the train reward is the accuracy on prompts the policy has not trained on. From the
 run's TensorBoard events (``train/<name>`` per learner step):
@@ -36,9 +36,6 @@ STEPS, WINDOW, MARGIN = 30, 5, 0.2
 """Learner steps of the shortened run; steps averaged at each end; least rise of the reward and of
 the tool-call rate between the two ends (measured: see the module's docstring and the report)."""
 TIMEOUT_S = 900
-MODEL = ROOT / "runs/models/tool_arith"
-"""Where ``tandem run examples/tool_arith/run.toml`` builds the policy: the run builds it there if it
-holds no model of the current recipe, and reuses it otherwise (as a user's run does)."""
 
 
 def _stop_stack(pid: int, runs: Path) -> None:
@@ -79,8 +76,11 @@ def _ends(series: dict[int, float]) -> tuple[float, float]:
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
+    # the run builds the policy (its cold start) where model.path points: here under the test's directory,
+    # not the repository's runs/models/tool_arith that a user's run uses (tests leave runs/ alone)
+    model = tmp_path / "models" / "tool_arith"
     text = (EXAMPLE / "run.toml").read_text()
-    text = text.replace('path = "../../runs/models/tool_arith"', f'path = "{MODEL}"')
+    text = text.replace('path = "../../runs/models/tool_arith"', f'path = "{model}"')
     text = text.replace('train = "train.jsonl"', f'train = "{EXAMPLE / "train.jsonl"}"')
     text = text.replace('eval = "eval.jsonl"', f'eval = "{EXAMPLE / "eval.jsonl"}"')
     text = text.replace("\nsteps = 40\n", f"\nsteps = {STEPS}\n")
@@ -89,7 +89,7 @@ def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
     from services.config import load_run_config
 
     cfg = load_run_config(config)
-    assert (cfg.learner.steps, cfg.model.bootstrap, cfg.model.path) == (STEPS, "tool_arith", MODEL)
+    assert (cfg.learner.steps, cfg.model.bootstrap, cfg.model.path) == (STEPS, "tool_arith", model)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     runs = tmp_path / "runs"
