@@ -93,8 +93,11 @@ class StallMonitor:
         for service, t in beats.items():
             before = self.last.get(service)
             self.last[service] = t
-            if service in self.silent and t > self.silent[service]:
-                await self._record(keys, service, self.silent.pop(service), t, resumed=True)
+            if service in self.silent:
+                # A beat stamped before the silence grew past the bound was sent late (the process was
+                # stopped between stamping and sending it): only a beat stamped after that ends the silence.
+                if t - self.silent[service] > self.bound_s:
+                    await self._record(keys, service, self.silent.pop(service), t, resumed=True)
             elif now - t > self.bound_s and before is not None:
                 self.silent.setdefault(service, t)
         for service in set(self.silent) - set(beats):  # it stopped working on the run (ended, or restarted anew)

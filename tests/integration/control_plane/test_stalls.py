@@ -94,3 +94,23 @@ async def _beating(redis, keys, n: int) -> bool:
 
 async def _incidents(redis, keys, n: int) -> bool:
     return len(await IncidentLog(redis, keys).recent()) >= n
+
+
+async def test_a_beat_stamped_before_the_stop_but_sent_after_it_does_not_end_the_silence(own_redis):
+    """The beater thread stamps ``time.time()`` and then sends it; a SIGSTOP between the two delivers, on
+    SIGCONT, a beat from before the silence. Seen in CI as a 0.1 s "stall": the silence lasts until a fresh beat."""
+    redis = connect(own_redis)
+    keys = Keys("late-beat")
+    monitor = StallMonitor(redis)
+    monitor.bound_s = 1.0
+    try:
+        for stamp, now in ((100.0, 100.1), (100.0, 102.0), (100.1, 103.0)):  # beats, stops, sends a stale beat
+            await redis.hset(keys.heartbeats, "learner", repr(stamp))
+            await monitor.check(keys, now)
+        assert await IncidentLog(redis, keys).recent() == []
+        await redis.hset(keys.heartbeats, "learner", repr(103.2))  # the first beat stamped after it resumed
+        await monitor.check(keys, 103.3)
+        [inc] = await IncidentLog(redis, keys).recent()
+        assert abs(inc.waited_s - 3.2) < 1e-9 and "beat again" in inc.action
+    finally:
+        await redis.aclose()
