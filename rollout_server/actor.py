@@ -366,16 +366,17 @@ class Actor:
     async def _group(self, delivery: Delivery, ticket: Ticket) -> None:
         lost = asyncio.Event()
         renewer = asyncio.create_task(self._renew(ticket, lost))
-        self.metrics.groups_in_flight.inc()
-        try:
-            await self._process(delivery, ticket, lost)
-        except (EngineDead, asyncio.CancelledError):
-            # the slot would otherwise stay taken until its lease expires
-            await asyncio.shield(self.admission.release(ticket))
-            raise
-        finally:
-            await cancel_and_wait(renewer)
-            self.metrics.groups_in_flight.dec()
+        # the gauge goes down on any exit, even a cancellation landing in the clean-up below (a
+        # TaskGroup cancels its children again for each sibling that fails while they end)
+        with self.metrics.groups_in_flight.track_inprogress():
+            try:
+                await self._process(delivery, ticket, lost)
+            except (EngineDead, asyncio.CancelledError):
+                # the slot would otherwise stay taken until its lease expires
+                await asyncio.shield(self.admission.release(ticket))
+                raise
+            finally:
+                await cancel_and_wait(renewer)
 
     async def _process(self, delivery: Delivery, ticket: Ticket, lost: asyncio.Event) -> None:
         pg = await wire.decode_delivery(self.prompts, delivery, wire.PromptGroup)

@@ -122,7 +122,8 @@ def _stop_a_run_and_watch_it_go_quiet(cfg_path: Path, urls: dict, token: str, en
     assert len(after) == entries, after[entries:][:5]
     assert (_lines(learner_dir / "trained.jsonl"), _lines(learner_dir / "published.jsonl")) == files
     assert _rollout_metric(urls["rollout"], token, "tandem_rollout_generated_tokens_total") == tokens
-    assert _rollout_metric(urls["rollout"], token, "tandem_rollout_groups_in_flight") == 0
+    in_flight = _rollout_metric(urls["rollout"], token, "tandem_rollout_groups_in_flight")
+    assert in_flight == 0, "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in (stack_dir / "logs").glob("rollout*.log"))
     print(f"run A: {len(busy)} groups generated in the {QUIET_S:g} s before the stop, none after; "
           f"ledger closed {closed_after:.1f} s after the stop")
     assert busy, "run A generated nothing before the stop: the quiet window proves nothing"

@@ -451,3 +451,37 @@ async def test_actor_evaluates_several_samples_per_prompt_with_pass_at_k(
 async def _load_request(registry: WeightRegistry, version: int) -> wire.LoadWeights:
     wv = await registry.get(version)
     return wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256)
+
+
+async def test_a_group_cancelled_again_while_it_cleans_up_still_leaves_the_in_flight_gauge(
+    rollout_engine, redis, keys, tiny_model, tmp_path, reward_service
+):
+    """A stopped run's actor is cancelled by its TaskGroup, and again by each sibling that fails meanwhile.
+    A cancellation landing in the group's clean-up must not leave ``tandem_rollout_groups_in_flight`` up:
+    CI saw the gauge at 1 after a stopped run had gone quiet (tests/e2e/test_stack.py)."""
+    from rollout_server.actor import Actor
+
+    gauge = rollout_engine.metrics.groups_in_flight
+    reward = RewardClient(reward_service.url, TOKEN, attempts=1, max_total_s=10)
+    actor = Actor(rollout_engine, redis=redis, keys=keys, config=_config(tiny_model, tmp_path, eta=1, groups_per_step=1),
+                  reward=reward, server_id=f"test-{keys.run_id}", metrics=rollout_engine.metrics)
+    started = asyncio.Event()
+
+    async def process(*_args) -> None:  # the group's work: it runs until cancelled
+        started.set()
+        await asyncio.Event().wait()
+
+    actor._process = process
+    before = gauge._value.get()
+    try:
+        for _ in range(20):  # the clean-up takes a few loop turns (a Redis release, the renewer's end)
+            decision = await actor.admission.reserve(rollout_engine.version, timeout_s=5.0)
+            started.clear()
+            task = asyncio.create_task(actor._group(None, decision.ticket))
+            await started.wait()
+            while not task.done():  # cancelled at every turn until it has ended, as a TaskGroup's aborts can
+                task.cancel()
+                await asyncio.sleep(0)
+            assert gauge._value.get() == before
+    finally:
+        await reward.aclose()
