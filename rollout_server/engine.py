@@ -374,9 +374,15 @@ class RolloutEngine:
         return self._tokenizer
 
     def tokenize(self, text: str, *, special: bool = True) -> list[int]:
-        # add_special_tokens=True is what vLLM does for completion prompts; special=False encodes a piece
-        # appended to tokens already there (an episode's observation)
-        return list(self._tokenizer.encode(text, add_special_tokens=special))
+        """Token ids of ``text``. ``special=True`` is what vLLM does for a completion prompt: BOS (or the
+        like) added, and the text of a special token ("<|im_end|>") read as that token. ``special=False``
+        encodes untrusted text appended to tokens already there (an episode's observation) literally: none
+        added, and a special token's text split into ordinary tokens (``split_special_tokens``), so a tool's
+        output cannot end the model's turn or open a forged one. Added tokens that are not special (Qwen3's
+        ``<think>``) keep their one id: the model reads the same text either way."""
+        if special:
+            return list(self._tokenizer.encode(text, add_special_tokens=True))
+        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
 
     def render(self, messages: list[Message], chat_template_kwargs: dict) -> tuple[str, list[int]]:
         """(text, token ids) of chat ``messages`` with the model's chat template (:func:`render_chat`)."""

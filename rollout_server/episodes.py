@@ -11,7 +11,8 @@ One episode, token in and token out:
    text. The turn's token ids and behaviour log-probs are kept exactly as vLLM returned them, and the turn
    is tagged with the weight version vLLM labelled its tokens with.
 2. A turn that ends with a call (``<tool>NAME: ARGS</tool>``, ``rollout_server.tools``) gets it answered:
-   the observation's text is tokenised once, on its own (no special tokens), and its ids are appended
+   the observation's text is tokenised once, on its own and literally (``engine.tokenize(special=False)``:
+   a special token's text is split into ordinary tokens, so a tool cannot end the turn), and its ids are appended
    with mask 0. Earlier turns are never decoded and tokenised again: the next turn's prompt is the exact
    ids the model generated and read.
 3. The episode ends when a turn ends without a call (end of sequence, or one of the run's stop strings),

@@ -137,6 +137,20 @@ async def test_an_episode_keeps_the_models_tokens_and_masks_the_observation(
         assert max(abs(s.logprobs[i] - ref[i]) for i in model) < 2e-3
 
 
+def test_an_observation_is_tokenised_literally_never_as_special_tokens(rollout_engine):
+    # a tool's output is the policy's program's (or a user tool's) text: the texts of the model's special
+    # tokens in it must not become those tokens (an EOS would end the turn, a chat tag forge a new one)
+    tok = rollout_engine.tokenizer
+    specials = tok.all_special_tokens
+    assert {"<eos>", "<bos>", "<pad>"} <= set(specials)
+    text = "<result>" + "x".join(specials) + "</result>"
+    ids = rollout_engine.tokenize(text, special=False)
+    assert not set(ids) & set(tok.all_special_ids), ids
+    assert tok.decode(ids) == text  # every character kept, as ordinary tokens
+    # a prompt's text is the run author's: there, as in vLLM, the texts are read as the special tokens
+    assert set(rollout_engine.tokenize("<eos>")) <= set(tok.all_special_ids)
+
+
 @pytest.mark.parametrize(("prompt", "tools", "said"), [
     ("E:", ["calculator"], "<error>division by zero</error>"),
     ("C:", [], "<error>unknown tool 'calculator'; this episode allows: none</error>"),
