@@ -21,8 +21,10 @@ wrappers.
 3. *tool wait vs generation*: per script, the share of an episode's wall spent in ``generate``
    requests and in tool calls (one episode at a time).
 4. *concurrency*: ``--concurrency`` episodes of a script as ONE group (``run_episodes(n=N)``, as the
-   actor runs a group's n episodes) against the same N one after another: both walls and the engine's
-   busy fraction (the share of the wall during which at least one ``generate`` request is in flight).
+   actor runs a group's n episodes), and ``mix``: one such group of each of :data:`CONCURRENCY_SCRIPTS`
+   at once (as the actor runs several groups), against the same episodes one after another: both walls,
+   the engine's busy fraction (the share of the wall during which at least one ``generate`` request is
+   in flight) and the model's tokens per second of wall.
 
 Prints the tables and writes bench/results/episodes.json.
 
@@ -291,26 +293,29 @@ class Bench:
             })
         return rows
 
-    async def concurrency(self, prompt: str, n: int) -> dict:
-        """``n`` episodes as one group vs the same ``n`` one after another."""
+    async def concurrency(self, prompts: tuple[str, ...], n: int) -> dict:
+        """``n`` episodes of each of ``prompts``, one group per prompt and every group at once (as the actor
+        runs a group's n episodes, and several groups), vs every episode one after another."""
         out = {}
         for mode in ("sequential", "concurrent"):
             g0, c0 = len(self.engine.spans), len(self.box.log)
             t0 = time.perf_counter()
             if mode == "concurrent":
-                gens = [await self.group(prompt, n)]
+                gens = await asyncio.gather(*[self.group(p, n) for p in prompts])
             else:
-                gens = [await self.group(prompt, 1) for _ in range(n)]
+                gens = [await self.group(p, 1) for p in prompts for _ in range(n)]
             t1 = time.perf_counter()
             samples = [s for g in gens for s in g.samples]
+            texts = [script_text(p) for p in prompts for _ in range(n)]
             calls = self.box.log[c0:]
+            model_tokens = sum(sum(f["mask"]) for g in gens for f in g.fields)
             out[mode] = {
                 "wall_s": t1 - t0,
                 "engine_busy_frac": union_s(self.engine.spans[g0:], t0, t1) / (t1 - t0),
                 "tool_wait_s": sum(c.end - c.start for c in calls),
-                "tokens": sum(len(s.token_ids) for s in samples),
+                "model_tokens": model_tokens, "model_tokens_per_s": model_tokens / (t1 - t0),
                 "calls": len(calls), "errors": sum(c.error for c in calls),
-                "on_script": sum(s.text == script_text(prompt) for s in samples) / len(samples),
+                "on_script": sum(s.text in texts for s in samples) / len(samples),
             }
         out["speedup"] = out["sequential"]["wall_s"] / out["concurrent"]["wall_s"]
         return out
@@ -352,7 +357,8 @@ async def measure(engine, reward_client, *, episodes: int, concurrency: int, rew
                     **{k: mean(runs[p], k) for k in ("wall_s", "tool_s", "sandbox_cpu_s", "sandbox_wall_s",
                                                      "reward_tree_cpu_s")}}
                 for p in SESSION_SCRIPTS}
-    conc = {p: await bench.concurrency(p, concurrency) for p in CONCURRENCY_SCRIPTS}
+    conc = {p: await bench.concurrency((p,), concurrency) for p in CONCURRENCY_SCRIPTS}
+    conc["mix"] = await bench.concurrency(CONCURRENCY_SCRIPTS, concurrency)
     return {"episodes": episodes, "concurrency": concurrency, "temperature": temperature, "remote_s": remote_s,
             "latency": latency, "sessions": sessions, "split": split, "concurrent": conc}
 
@@ -364,11 +370,14 @@ def report(r: dict) -> str:
     for tool, v in r["latency"].items():
         lines.append(f"   {tool:<18}{v['calls']:>6}{v['p50_ms']:>9.1f}{v['p95_ms']:>9.1f}")
     lines += ["", "2. python sandbox session per episode (means)",
-              f"   {'script':<7}{'calls':>6}{'episode s':>11}{'tool s':>8}{'prog cpu s':>12}{'server cpu s':>14}"]
+              f"   {'script':<7}{'calls':>6}{'episode s':>11}{'tool s':>8}{'prog wall s':>12}{'prog cpu s':>11}"
+              f"{'server cpu s':>13}"]
     for p, v in r["sessions"].items():
         cpu = "-" if v["reward_tree_cpu_s"] is None else f"{v['reward_tree_cpu_s']:.3f}"
         lines.append(f"   {p:<7}{v['python_calls']:>6}{v['wall_s']:>11.3f}{v['tool_s']:>8.3f}"
-                     f"{v['sandbox_cpu_s']:>12.3f}{cpu:>14}")
+                     f"{v['sandbox_wall_s']:>12.3f}{v['sandbox_cpu_s']:>11.3f}{cpu:>13}")
+    lines.append("   tool: the calls' wall in the episode; prog: what the sandbox reports of the program (ExecuteResult "
+                 "wall_s, cpu_s); server cpu: the reward server's process tree, from /proc")
     lines += ["", "3. an episode's wall: generating vs waiting on tools (means, one episode at a time)",
               f"   {'script':<7}{'tool':<11}{'calls':>6}{'tokens':>7}{'wall s':>8}{'gen s':>7}{'tool s':>8}"
               f"{'gen %':>7}{'tool %':>7}{'on script':>10}"]
@@ -377,13 +386,17 @@ def report(r: dict) -> str:
                      f"{v['generate_s']:>7.3f}{v['tool_s']:>8.3f}{v['generate_frac']:>7.0%}{v['tool_frac']:>7.0%}"
                      f"{v['on_script']:>10.0%}")
     n = r["concurrency"]
-    lines += ["", f"4. concurrency: {n} episodes as one group (run_episodes n={n}) vs one after another",
+    lines += ["", f"4. concurrency: {n} episodes of a script as one group (run_episodes n={n}), and 'mix': one such "
+              f"group of each of {', '.join(CONCURRENCY_SCRIPTS)} at once, vs the same episodes one after another",
               f"   {'script':<7}{'seq wall s':>11}{'conc wall s':>12}{'speed-up':>9}{'busy seq':>9}{'busy conc':>10}"
-              f"{'tool wait s':>12}"]
+              f"{'tok/s seq':>10}{'tok/s conc':>11}{'tool wait s':>12}"]
     for p, v in r["concurrent"].items():
         s, c = v["sequential"], v["concurrent"]
         lines.append(f"   {p:<7}{s['wall_s']:>11.2f}{c['wall_s']:>12.2f}{v['speedup']:>8.2f}x"
-                     f"{s['engine_busy_frac']:>9.0%}{c['engine_busy_frac']:>10.0%}{c['tool_wait_s']:>12.2f}")
+                     f"{s['engine_busy_frac']:>9.0%}{c['engine_busy_frac']:>10.0%}{s['model_tokens_per_s']:>10.0f}"
+                     f"{c['model_tokens_per_s']:>11.0f}{c['tool_wait_s']:>12.2f}")
+    lines.append("   busy: share of the wall with at least one generate request in flight; tok/s: the model's own "
+                 "tokens per second of wall; tool wait: the calls' summed waits (concurrent)")
     return "\n".join(lines)
 
 
@@ -453,7 +466,11 @@ def main() -> None:
     ap.add_argument("--remote-s", type=float, default=REMOTE_S, help="the 'remote' user tool's wait")
     ap.add_argument("--train-steps", type=int, default=TRAIN_STEPS)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--show", type=Path, default=None, help="print the tables of a recorded run (a results file) and stop")
     args = ap.parse_args()
+    if args.show:
+        print(report(json.loads(args.show.read_text())))
+        return
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-episodes-"))
     started = time.perf_counter()
     try:

@@ -72,3 +72,6 @@ async def test_the_smallest_run_records_sane_figures(rollout_engine, weight_vers
     # load-dependent, so only the calculator's (batching) and the remote tool's (overlapped waits) are asserted
     assert r["concurrent"]["C:"]["concurrent"]["wall_s"] < r["concurrent"]["C:"]["sequential"]["wall_s"]
     assert r["concurrent"]["R:"]["speedup"] > 1.5  # three episodes' 2 x 0.2 s waits overlap (3x at best)
+    mix = r["concurrent"]["mix"]  # a group of each script at once: the engine generates more per second of wall
+    assert mix["concurrent"]["model_tokens_per_s"] > mix["sequential"]["model_tokens_per_s"]
+    assert mix["concurrent"]["on_script"] == 1 and mix["concurrent"]["errors"] == 0
