@@ -3,7 +3,8 @@
 One process, one vLLM engine (``AsyncLLM``), serving
 
 - ``POST /v1/generate``: samples with the sampled tokens' log-probabilities
-  and the weight version that produced them (``api``);
+  and the weight version that produced them (``api``), or episodes with the
+  server's tools (``episodes``: held-out evaluation of episode lines);
 - ``GET/POST /v1/weights``: the loaded version; load a published version in
   place (``engine``, ``transports``);
 - OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``,

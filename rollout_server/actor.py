@@ -301,7 +301,8 @@ class Actor:
 
     async def _eval_one(self, i: int, prompt: wire.EvalPrompt) -> list[wire.Sample] | None:
         """The ``eval.samples`` completions (greedy unless ``eval.temperature``) of one held-out prompt;
-        None if the engine cannot take the prompt (they count as wrong)."""
+        None if the engine cannot take the prompt (they count as wrong). A prompt with an ``episode`` gets
+        that many episodes with its tools, each sample's ``text`` the model's last turn (what is scored)."""
         s, ev = self.config.sampling, self.config.eval
         try:
             _, ids = self.engine.prompt_ids(prompt.prompt, prompt.messages, self.config.prompt.chat_template_kwargs)
@@ -310,9 +311,15 @@ class Actor:
             return None
         sampling = Sampling(n=ev.samples, temperature=ev.temperature, max_tokens=max(1, min(
             s.max_tokens, self.engine.max_model_len - len(ids))), stop=tuple(s.stop), seed=i)
+        if prompt.episode is not None and (unknown := self.tools.unknown(prompt.episode.tools)):
+            log.warning("held-out prompt %d not generated (counted wrong): this server has no tool %r", i, unknown[0])
+            return None
         try:
             self.engine.check(ids, sampling, prompt_field="prompt")
-            return (await self.engine.generate(ids, sampling, source="eval")).samples
+            if prompt.episode is None:
+                return (await self.engine.generate(ids, sampling, source="eval")).samples
+            gen = await run_episodes(self.engine, ids, sampling, prompt.episode, ev.samples, self.tools)
+            return [smp.model_copy(update={"text": text}) for smp, text in zip(gen.samples, gen.texts, strict=True)]
         except (InvalidRequest, Stalled) as e:
             log.warning("held-out prompt %d not generated (counted wrong): %s", i, e)
             return None

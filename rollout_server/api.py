@@ -31,12 +31,14 @@ from redis.exceptions import RedisError
 from broker import Keys, WeightRegistry, WeightVersion, connect
 from broker.ledger import Ledger
 from rollout_server.engine import EngineDead, Generation, InvalidRequest, RolloutEngine, Sampling
+from rollout_server.episodes import EpisodeGeneration, run_episodes
 from rollout_server.settings import RolloutSettings
+from rollout_server.tools import ToolBox
 from rollout_server.transports import WeightLoadError, confine
 from services import weightstore
 from services.app import ServiceError
 from services.runs import RunStore
-from services.wire import GenerateRequest, GenerateResponse, LoadWeights, WeightsStatus
+from services.wire import EpisodeSpec, GenerateRequest, GenerateResponse, LoadWeights, WeightsStatus
 
 log = logging.getLogger("tandem.rollout")
 
@@ -63,9 +65,11 @@ def _engine(request: Request) -> RolloutEngine:
     return engine
 
 
-async def run_generation(request: Request, ids: list[int], sampling: Sampling, *, prompt_field: str) -> Generation:
+async def run_generation(request: Request, ids: list[int], sampling: Sampling, *, prompt_field: str,
+                         episode: EpisodeSpec | None = None) -> Generation:
     """Generate for one HTTP request (``/v1/generate`` and the OpenAI routes of ``openai_api``): what the
-    engine cannot serve is a 422 naming the field, sequences beyond ``max_pending_seqs`` a 503."""
+    engine cannot serve is a 422 naming the field, sequences beyond ``max_pending_seqs`` a 503. With
+    ``episode``, ``sampling.n`` episodes with the app's tools (``app.state.tools``)."""
     engine = _engine(request)
     try:
         engine.check(ids, sampling, prompt_field=prompt_field)
@@ -82,7 +86,9 @@ async def run_generation(request: Request, ids: list[int], sampling: Sampling, *
     pending.seqs += sampling.n
     engine.metrics.pending_seqs.set(pending.seqs)
     try:
-        return await engine.generate(ids, sampling, source="http")
+        if episode is None:
+            return await engine.generate(ids, sampling, source="http")
+        return await run_episodes(engine, ids, sampling, episode, sampling.n, request.app.state.tools)
     except InvalidRequest as e:
         raise invalid(e.field, e.message) from e
     except EngineDead as e:
@@ -111,6 +117,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             _, ids = engine.prompt_ids(body.prompt, body.messages, body.chat_template_kwargs)
         except InvalidRequest as e:
             raise invalid(e.field, e.message) from e
+    tools: ToolBox = request.app.state.tools
+    if body.episode is not None and (unknown := tools.unknown(body.episode.tools)):
+        raise invalid("episode.tools", f"this server has no tool {unknown[0]!r}")
     sampling = Sampling(
         n=body.n,
         temperature=body.temperature,
@@ -120,9 +129,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         stop=tuple(body.stop),
         seed=body.seed,
     )
-    gen = await run_generation(request, ids, sampling, prompt_field=field)
+    gen = await run_generation(request, ids, sampling, prompt_field=field, episode=body.episode)
     out = GenerateResponse(
-        prompt_token_ids=gen.prompt_token_ids, samples=gen.samples, logprobs_mode=engine.logprobs_mode
+        prompt_token_ids=gen.prompt_token_ids, samples=gen.samples, logprobs_mode=engine.logprobs_mode,
+        last_turns=gen.texts if isinstance(gen, EpisodeGeneration) else None,
     )
     # serialise directly: the samples were validated when built, a second pass through
     # FastAPI's response validation costs time per token for nothing

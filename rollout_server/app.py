@@ -76,8 +76,10 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
         actor_task = None
         closers = []
         try:
+            app.state.tools, closers = _http_tools(eng, rs, metrics)
             if config is not None and rs.run_id:
-                actor_task, closers = await _start_actor(eng, rs, config, metrics)
+                actor_task, more = await _start_actor(eng, rs, config, metrics)
+                closers += more
             elif rs.redis_url:
                 # stack mode (tandem up, docker-compose): serve whichever run the control plane activates
                 from rollout_server.follower import follow_runs
@@ -110,6 +112,17 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
     app.include_router(router)
     app.include_router(openai_router)  # OpenAI-compatible routes and vLLM's token-in route
     return app
+
+
+def _http_tools(eng: RolloutEngine, rs: RolloutSettings, metrics: RolloutMetrics):
+    """The tools of episodes asked for over ``/v1/generate`` (held-out evaluation of episode lines), as an
+    actor's: the calculator, the user tools, python in the reward server's sandboxes; and their closers."""
+    from rollout_server.tools import ToolBox, load_user_tools
+    from services.clients import RewardClient
+
+    reward = RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s)
+    tools = ToolBox(reward=reward, user=load_user_tools(rs.tools), source=eng.source, metrics=metrics)
+    return tools, [reward.aclose]
 
 
 async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):

@@ -55,9 +55,12 @@ class EpisodeGeneration(Generation):
 async def run_episodes(engine: RolloutEngine, prompt_ids: list[int], sampling: Sampling, spec: EpisodeSpec,
                        n: int, tools: ToolBox) -> EpisodeGeneration:
     """Run ``n`` episodes of ``spec`` from ``prompt_ids`` at once. Raises what ``engine.generate`` raises
-    (``InvalidRequest``, ``Stalled``, ``EngineDead``); a tool never makes it raise."""
-    done = await asyncio.gather(*[run_episode(engine, prompt_ids, sampling, spec, tools.session())
-                                  for _ in range(n)])
+    (``InvalidRequest``, ``Stalled``, ``EngineDead``); a tool never makes it raise. A ``sampling.seed`` (held-out
+    evaluation's) gives episode k the seed ``seed * n + k``: n episodes of one seed would be n copies."""
+    done = await asyncio.gather(*[
+        run_episode(engine, prompt_ids, sampling if sampling.seed is None
+                    else dataclasses.replace(sampling, seed=sampling.seed * n + k), spec, tools.session())
+        for k in range(n)])
     return EpisodeGeneration(list(prompt_ids), [d[0] for d in done], [d[1] for d in done], [d[2] for d in done])
 
 

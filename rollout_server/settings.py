@@ -24,7 +24,8 @@ class RolloutSettings(WorkerSettings):
     model: Path | None = None
     """Model directory to serve without a run config (`tandem serve rollout --model DIR`)."""
     reward_url: str = "http://127.0.0.1:8002"
-    """Reward server the actor loop scores completions with."""
+    """Reward server the actor loop scores completions with; its sandboxes run episodes' python tool (actor and
+    `/v1/generate`)."""
     reward_token: SecretStr | None = None
     """Bearer token the actor loop sends to the reward server (TANDEM_ROLLOUT_REWARD_TOKEN). Unset:
     TANDEM_TOKEN. docker-compose gives the reward server, which runs untrusted code, a token of its

@@ -22,6 +22,12 @@ is in flight) and its completions scored in as few ``POST /v1/score`` calls as
 :data:`SCORE_BATCH` allows. A completion counts as correct when its reward is 1. Each sample
 carries the policy version that produced it, so a result states which weights were evaluated.
 
+A held-out line with an ``episode`` (``services.wire.EpisodeSpec``) is evaluated as training runs it:
+each completion is an episode with the line's tools (``rollout_server.episodes``, the eval sampling) and
+the spec scores the model's last turn: on the actor's engine, and over HTTP (:func:`evaluate`) by sending
+the line's ``episode`` with ``/v1/generate``, whose answer then holds each sample's last turn
+(``GenerateResponse.last_turns``).
+
 Samples per prompt (``eval.samples = n``, ``eval.temperature``): by default one greedy completion,
 and ``accuracy`` is the fraction of prompts answered correctly. With ``n > 1`` each prompt gets
 ``n`` sampled completions; ``accuracy`` is then mean@n (the fraction of all completions that
@@ -110,8 +116,8 @@ def eval_prompts(lines: list[dict], config: RunConfig, chat: bool | None = None)
     lines = lines[: config.eval.max_prompts]
     plain = config.model_copy(update={"reward": config.reward.model_copy(update={"format_weight": 0.0})})
     forms = prompt_forms(lines, config, chat)  # as the training set's (services.prompts); chat: the model's template
-    return [wire.EvalPrompt(**form.wire_fields(), spec=spec)
-            for form, spec in zip(forms, line_specs(lines, plain), strict=True)]
+    return [wire.EvalPrompt(**form.wire_fields(), spec=spec, episode=line.get("episode"))
+            for form, spec, line in zip(forms, line_specs(lines, plain), lines, strict=True)]
 
 
 def load_eval_set(path: Path, config: RunConfig, limit: int | None) -> list[wire.EvalPrompt]:
@@ -214,23 +220,24 @@ async def evaluate(
     progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Evaluate the version a rollout server serves, over HTTP: every prompt's ``/v1/generate`` in
-    flight at once (up to ``concurrency``), then batched scoring."""
+    flight at once (up to ``concurrency``), then batched scoring. A prompt with an ``episode`` is sent with
+    it (the rollout server runs the episodes with its tools) and its samples' last turns are scored."""
     prompts = [p if isinstance(p, wire.EvalPrompt) else wire.EvalPrompt(prompt=p[0], spec=p[1]) for p in items]
     limit = asyncio.Semaphore(concurrency)
     done = 0
 
-    async def one(i: int, prompt: wire.EvalPrompt) -> list[wire.Sample]:
+    async def one(i: int, prompt: wire.EvalPrompt) -> wire.GenerateResponse:
         nonlocal done
         async with limit:
             out = await rollout.generate(wire.GenerateRequest(
                 **_generate_fields(prompt, config), n=config.eval.samples, temperature=config.eval.temperature,
-                max_tokens=config.sampling.max_tokens, stop=config.sampling.stop, seed=i,
+                max_tokens=config.sampling.max_tokens, stop=config.sampling.stop, seed=i, episode=prompt.episode,
             ))
         done += 1
         if progress is not None:
             progress(done)
-        return out.samples
+        return out
 
-    samples = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
-    return await score(reward, prompts, [[s.text for s in group] for group in samples],
-                       [s.policy_version for group in samples for s in group])
+    outs = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    texts = [out.last_turns if out.last_turns is not None else [s.text for s in out.samples] for out in outs]
+    return await score(reward, prompts, texts, [s.policy_version for out in outs for s in out.samples])

@@ -263,6 +263,9 @@ class GenerateRequest(Wire):
     max_tokens: int = Field(default=64, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=16)
     seed: int | None = None
+    episode: EpisodeSpec | None = Field(
+        default=None, description="Set: each of the n samples is a multi-turn episode with these tools "
+        "(held-out evaluation of episode lines); 422 naming episode.tools for a tool this server lacks.")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequest:
@@ -302,6 +305,9 @@ class GenerateResponse(Wire):
         description="What samples[].logprobs are: 'processed_logprobs' = of the distribution sampled from "
         "(after temperature, top-k, top-p), 'raw_logprobs' = log-softmax of the model's logits (temperature 1).",
     )
+    last_turns: list[str] | None = Field(
+        default=None, description="With an episode: each sample's last turn of the model, the text a reward "
+        "scores (samples[].text is the whole transcript, observations included).")
 
 
 class LoadWeights(Wire):
@@ -378,11 +384,13 @@ class PromptGroup(Wire):
 class EvalPrompt(Wire):
     """One held-out prompt of a run (the control plane stores them when the run is created;
     ``services.evaluate``): generated once, greedy unless ``eval.temperature > 0``, and correct
-    when ``spec`` scores the completion 1. ``spec`` carries no format bonus."""
+    when ``spec`` scores the completion 1. ``spec`` carries no format bonus. With ``episode`` (the line's)
+    each completion is an episode with its tools, and ``spec`` scores the model's last turn, as in training."""
 
     prompt: str | None = Field(default=None, min_length=1)
     messages: Messages | None = None
     spec: RewardSpec
+    episode: EpisodeSpec | None = Field(default=None, description="Set: each completion is a multi-turn episode.")
 
     @model_validator(mode="after")
     def _form(self) -> EvalPrompt:

@@ -252,3 +252,87 @@ async def test_the_actor_runs_an_episode_group_and_scores_only_the_models_last_t
         assert (m0, m2, end) == (0, 1, len(s.token_ids)) and s.token_ids[b:c] == observation
     [dead] = await prompts.dead_letters()
     assert dead["g"] == "no-tool" and "episode.tools: this server has no tool 'nope'" in dead["reason"]
+
+
+async def test_held_out_episode_prompts_are_evaluated_as_episodes(
+    rollout_engine, redis, keys, tiny_model, tmp_path, weight_versions, tool_weights, reward_servers
+):
+    """``eval.every`` on held-out lines with an episode: "C:" is answered 42 through the calculator's
+    observation (greedy), and "P:", whose python tool prints the answer tag, scores 0 (the model's last turn
+    only), so the recorded accuracy is 1/2; the sample scored for "C:" is the turn after the observation."""
+    from broker import Stream, WeightRegistry
+    from broker.weights import WeightVersion
+    from rollout_server.actor import Actor
+    from services.clients import RewardClient
+    from services.evaluate import EvalLog
+    from services.reward_specs import ExactSpec
+    from services.weightstore import digest
+    from tests.fixtures.reward import REWARD_TOKEN
+
+    version = weight_versions.next_version()
+    weight_versions.dirs[version] = tool_weights
+    await WeightRegistry(redis, keys).publish(WeightVersion(
+        version=version, uri=tool_weights.as_uri(), sha256=digest(tool_weights), created_at=time.time()))
+    await Stream.prompts(redis, keys).ensure_group()
+    held_out = [
+        wire.EvalPrompt(prompt="C:", spec=ExactSpec(answer="42"), episode=wire.EpisodeSpec(tools=["calculator"])),
+        wire.EvalPrompt(prompt="P:", spec=ExactSpec(answer="4"),
+                        episode=wire.EpisodeSpec(tools=["python"], tool_timeout_s=30)),
+    ]
+    log = EvalLog(redis, keys)
+    await log.store_prompts(held_out)
+    config = _config(tiny_model, tmp_path).model_copy(update={"eval": wire_eval(every=1)})
+    reward = RewardClient(reward_servers["bwrap"].url, REWARD_TOKEN, attempts=2, max_total_s=60)
+    actor = Actor(rollout_engine, redis=redis, keys=keys, config=config, reward=reward,
+                  server_id=f"test-{keys.run_id}", metrics=rollout_engine.metrics, concurrency=2)
+    task = asyncio.create_task(actor.run())
+    try:
+        deadline = time.monotonic() + 120
+        while version not in (points := await log.points()):
+            assert time.monotonic() < deadline and not task.done(), "the held-out evaluation was never recorded"
+            await asyncio.sleep(0.3)
+        [sample] = await actor._eval_one(0, held_out[0])
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await reward.aclose()
+    assert (points[version].accuracy, points[version].count) == (0.5, 2)
+    assert sample.text == "<answer>42</answer>" and sample.policy_version == version
+    assert rollout_engine.tokenizer.decode(sample.token_ids).startswith(CALL["C:"] + "<result>42</result>")
+
+
+def wire_eval(**fields):
+    from services.config import EvalConfig
+
+    return EvalConfig.model_validate({"before": False, **fields})
+
+
+async def test_held_out_episode_prompts_are_evaluated_as_episodes_over_http(
+    rollout_server, tool_version, tiny_model, tmp_path, reward_servers
+):
+    """``services.evaluate.evaluate`` (``tandem run``'s final evaluation) sends a line's episode with
+    ``/v1/generate``: the rollout server answers the calculator call and returns the model's last turn, which
+    is what gets scored. "P:" would be right single-turn (the model writes the answer tag the tool would print);
+    as an episode its python call fails here (the fixture's server has no reward server) and its last turn
+    holds no answer, so the accuracy is 1/2. A tool the server lacks is a 422 naming ``episode.tools``."""
+    import httpx
+
+    from services.clients import RewardClient, RolloutClient
+    from services.evaluate import evaluate
+    from services.reward_specs import ExactSpec
+    from tests.fixtures.reward import REWARD_TOKEN
+
+    held_out = [wire.EvalPrompt(prompt="C:", spec=ExactSpec(answer="42"), episode=wire.EpisodeSpec(tools=["calculator"])),
+                wire.EvalPrompt(prompt="P:", spec=ExactSpec(answer="4"), episode=wire.EpisodeSpec(tools=["python"]))]
+    async with RolloutClient(rollout_server.url, rollout_server.token) as rollout, \
+            RewardClient(reward_servers["bwrap"].url, REWARD_TOKEN, attempts=2, max_total_s=60) as reward:
+        out = await rollout.generate(wire.GenerateRequest(prompt="C:", max_tokens=128, temperature=0, n=2,
+                                                          episode=held_out[0].episode))
+        result = await evaluate(rollout, reward, held_out, _config(tiny_model, tmp_path))
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            await rollout.generate(wire.GenerateRequest(prompt="C:", episode=wire.EpisodeSpec(tools=["nope"])))
+    assert out.last_turns == ["<answer>42</answer>"] * 2
+    assert [s.text for s in out.samples] == [CALL["C:"] + "<result>42</result><answer>42</answer>"] * 2
+    assert (result.accuracy, result.count, result.versions) == (0.5, 2, frozenset({tool_version}))
+    assert refused.value.response.status_code == 422
+    assert refused.value.response.json()["detail"][0]["loc"] == ["body", "episode.tools"]
