@@ -94,10 +94,14 @@ def lookup(args: str) -> str:
 REMOTE_S = 0.2
 
 
-async def remote(args: str) -> str:
-    """A coroutine user tool that waits :data:`REMOTE_S` (a remote API, say)."""
-    await asyncio.sleep(REMOTE_S)
-    return args.strip().upper()
+def remote_tool(wait_s: float = REMOTE_S):
+    """A coroutine user tool that waits ``wait_s`` (a remote API, say) and answers its args in capitals."""
+
+    async def remote(args: str) -> str:
+        await asyncio.sleep(wait_s)
+        return args.strip().upper()
+
+    return remote
 
 
 # -- the model ----------------------------------------------------------------------
@@ -255,9 +259,10 @@ class Bench:
     temperature: float
 
     @classmethod
-    def around(cls, engine, reward_client, reward_pid: int | None, temperature: float = 0.3) -> Bench:
+    def around(cls, engine, reward_client, reward_pid: int | None, temperature: float = 0.3,
+               remote_s: float = REMOTE_S) -> Bench:
         sandbox = SandboxLog(reward_client)
-        box = TimedToolBox(reward=sandbox, user={"lookup": lookup, "remote": remote})
+        box = TimedToolBox(reward=sandbox, user={"lookup": lookup, "remote": remote_tool(remote_s)})
         return cls(TimedEngine(engine), box, sandbox, reward_pid, temperature)
 
     async def group(self, prompt: str, n: int):
@@ -324,9 +329,7 @@ class Bench:
 async def measure(engine, reward_client, *, episodes: int, concurrency: int, reward_pid: int | None = None,
                   temperature: float = 0.3, remote_s: float = REMOTE_S) -> dict:
     """All four measurements on a started engine serving the scripts' weights and a reward client."""
-    global REMOTE_S
-    REMOTE_S = remote_s
-    bench = Bench.around(engine, reward_client, reward_pid, temperature)
+    bench = Bench.around(engine, reward_client, reward_pid, temperature, remote_s)
     for prompt in SCRIPTS:  # warm-up: the first request and the first sandbox pay once
         await bench.group(prompt, 1)
     bench.box.log.clear()
