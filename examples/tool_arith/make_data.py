@@ -5,7 +5,7 @@
 Deterministic (seeded). Each line is a prompt-set line with an ``episode`` (docs/episodes.md): the
 prompt ``a+b=``, an ``exact`` match of the text inside the last turn's ``<answer>`` tags, and the
 ``calculator`` tool for at most two turns of the model. The held-out set shares no (a, b) with the
-training set (held-out evaluation is single-turn, so ``run.toml`` leaves it off: see there).
+training set; its lines are evaluated as episodes too (``[eval]`` in ``run.toml``).
 """
 
 from __future__ import annotations

@@ -11,11 +11,15 @@ run's TensorBoard events (``train/<name>`` per learner step):
   about 40% right and calls the tool in about 30% of its episodes, a step's 128 samples put its
   reward within a few points of that, and a mean over :data:`WINDOW` steps within less;
 - the calls are answered (``tool_success_frac``) and the episodes take the second turn they need;
+- the held-out accuracy (100 greedy episodes of eval.jsonl, versions 0 and the final one) rises by more
+  than :data:`MARGIN` (measured 0.000 -> 0.930);
 - summary.json carries the same figures (``episodes``), and the audit passed (``tandem run`` exits 0).
 
-Measured (docs/episodes.md, section 8): reward 0.325 -> 0.805, 0.314 -> 0.791 and 0.319 -> 0.767,
-tool calls per episode 0.352 -> 0.939, 0.350 -> 0.936 and 0.347 -> 0.931 (275 s, 395 s and 185 s on 2
-busy cores, the cold start already built; building it adds about 2 minutes of one core).
+Measured (docs/episodes.md, section 8), with held-out evaluation on: 363 s including 153 s building the
+cold start, reward 0.309 -> 0.784, tool calls 0.341 -> 0.933. Before it: reward 0.325 -> 0.805,
+0.314 -> 0.791 and 0.319 -> 0.767, tool calls per episode 0.352 -> 0.939, 0.350 -> 0.936 and
+0.347 -> 0.931 (275 s, 395 s and 185 s on 2 busy cores, the cold start already built; building it adds
+about 2 minutes of one core).
 """
 
 from __future__ import annotations
@@ -120,6 +124,10 @@ def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
     print(f"train reward {r0:.3f} -> {r1:.3f}, tool calls per episode {c0:.3f} -> {c1:.3f}, turns per episode "
           f"{t_0:.3f} -> {t_1:.3f} (means of the first and last {WINDOW} steps); tool success "
           f"{min(success.values()):.3f}..{max(success.values()):.3f}; summary episodes {summary['episodes']}")
+    # held-out accuracy: greedy episodes of eval.jsonl with the calculator, versions 0 and STEPS
+    acc0, acc1 = summary["accuracy_before"], summary["accuracy_after"]
+    print(f"held-out accuracy {acc0:.3f} -> {acc1:.3f} ({summary['eval_prompts']} prompts)")
+    assert acc1 > acc0 + MARGIN, (acc0, acc1)
     assert r1 > r0 + MARGIN, reward
     assert c1 > c0 + MARGIN, calls
     assert t_1 > t_0 + MARGIN, turns  # a call takes a second turn to answer
