@@ -54,6 +54,21 @@ def test_a_line_with_an_episode_becomes_a_group_with_it():
     assert wire.decode(wire.PromptGroup, wire.encode(groups[0])) == groups[0]
 
 
+def test_a_held_out_line_with_an_episode_keeps_it():
+    from services.evaluate import eval_prompts
+
+    line = {"prompt": "2+2=", "type": "exact", "answer": "4", "episode": {"tools": ["calculator"], "max_turns": 2}}
+    stored, errors = check_line(line, 1, "math")
+    plain, _ = check_line({"prompt": "2+2=", "type": "exact", "answer": "4"}, 2, "math")
+    held_out = eval_prompts([stored, plain], parse_run_config({"model": {"path": "m"}, "data": {"train": "t"}}))
+    assert held_out[0].episode == wire.EpisodeSpec(tools=["calculator"], max_turns=2)
+    assert held_out[1].episode is None
+    assert wire.decode(wire.EvalPrompt, wire.encode(held_out[0])) == held_out[0]
+    # what services.evaluate.evaluate sends for it over HTTP
+    request = wire.GenerateRequest(prompt="2+2=", episode=held_out[0].episode)
+    assert wire.GenerateRequest.model_validate_json(request.model_dump_json()) == request
+
+
 @pytest.mark.parametrize(("episode", "field"), [
     ({"tools": ["Calc"]}, "episode.tools.0"),
     ({"max_turns": 0}, "episode.max_turns"),
