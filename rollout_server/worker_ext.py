@@ -27,6 +27,20 @@ class TandemWorkerExtension:
         self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
         return self._tandem_refresh_tied_head()
 
+    def tandem_receive_weights(self, host: str, port: int, rank: int, world: int, group: str,
+                               timeout_s: float) -> str:
+        """Join the learner's weight group for one version as ``rank`` (plus this worker's own rank among
+        the server's workers), receive the tensors, check the learner's digest and load them in place with
+        the same post-load processing as a file reload. Returns the digest. Nothing is loaded when the
+        digest differs (``services.weightgroup``)."""
+        from services.weightgroup import WeightGroup
+
+        member = WeightGroup(host, port, rank + getattr(self, "rank", 0), world, timeout_s=timeout_s, name=group)
+        tensors, digest = member.receive()
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        self._tandem_refresh_tied_head()
+        return digest
+
     def _tandem_refresh_tied_head(self) -> bool:
         model = self.model_runner.get_model()
         config = self.model_runner.model_config.hf_config

@@ -153,8 +153,11 @@ class WeightGroup:
             self._broadcast(buf)
             h.update(buf.numpy())
         digest = h.hexdigest()
-        self.store.set("digest", digest)
+        self._announce_digest(digest)
         return digest
+
+    def _announce_digest(self, digest: str) -> None:
+        self.store.set("digest", digest)
 
     def receive(self) -> tuple[dict[str, Any], str]:
         """A member: the tensors (views into the received buckets), after checking the digest."""
@@ -191,3 +194,44 @@ def read_manifest(host: str, port: int, *, timeout_s: float, name: str = "v") ->
         return decode(dist.PrefixStore(f"tandem/{name}", store).get("manifest"))
     except RuntimeError as e:
         raise BroadcastFailed(f"weight group store {host}:{port}: {e}") from e
+
+
+# -- invitations: how a rollout server is told to join ------------------------
+
+SCHEME = "broadcast://"
+
+
+@dataclass(frozen=True)
+class Invitation:
+    """One server's seat in one version's group: the URI of a ``LoadWeights`` the engine loads through
+    ``rollout_server.transports.BroadcastTransport`` (``broadcast://host:port/group?rank=R&world=W&timeout=T``;
+    ``rank`` is the server's first rank, its vLLM workers take ``rank .. rank + workers - 1``)."""
+
+    host: str
+    port: int
+    group: str
+    rank: int
+    world: int
+    timeout_s: float
+
+    @property
+    def uri(self) -> str:
+        return (f"{SCHEME}{self.host}:{self.port}/{self.group}"
+                f"?rank={self.rank}&world={self.world}&timeout={self.timeout_s:g}")
+
+    @classmethod
+    def parse(cls, uri: str) -> Invitation:
+        from urllib.parse import parse_qs, urlsplit
+
+        if not uri.startswith(SCHEME):
+            raise ValueError(f"not a {SCHEME} URI: {uri!r}")
+        u = urlsplit(uri)
+        q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        try:
+            inv = cls(u.hostname or "", int(u.port or 0), u.path.strip("/"), int(q["rank"]), int(q["world"]),
+                      float(q["timeout"]))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"malformed {SCHEME} URI {uri!r}: {e}") from e
+        if not inv.host or not inv.port or not inv.group or not 0 < inv.rank < inv.world or inv.timeout_s <= 0:
+            raise ValueError(f"malformed {SCHEME} URI {uri!r}")
+        return inv

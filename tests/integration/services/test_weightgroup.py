@@ -114,3 +114,19 @@ def test_a_member_killed_mid_broadcast_cannot_hang_the_learner(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+class LyingLearner(WeightGroup):
+    """A learner whose digest does not match what it sent (the bytes were changed on the way)."""
+
+    def _announce_digest(self, digest: str) -> None:
+        super()._announce_digest("0" * 64)
+
+
+def test_a_member_refuses_weights_whose_digest_differs_from_the_learners():
+    port, tensors = free_port(), _tensors()
+    got, errors, threads = _run_members(port, 2)
+    LyingLearner("127.0.0.1", port, 0, 2, timeout_s=20.0).send(tensors)
+    threads[0].join(30)
+    assert got[1] is None
+    assert len(errors) == 1 and isinstance(errors[0], BroadcastFailed) and "digest" in str(errors[0])
