@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -112,7 +113,9 @@ class WeightGroup:
             store = dist.TCPStore(host, port, world, rank == 0, timeout=self.timeout, wait_for_workers=False)
         except (RuntimeError, OSError) as e:  # DistStoreError is a RuntimeError
             raise BroadcastFailed(f"weight group store {host}:{port}: {e}") from e
+        self.port = store.port  # rank 0 may pass port 0: the system picks a free one, no race for it
         self.store = dist.PrefixStore(f"tandem/{name}", store)
+        self._tcp = store  # the members read the digest from it after the last bucket: it lives as long as this
         self._pg = None
 
     def _group(self):
@@ -154,7 +157,19 @@ class WeightGroup:
             h.update(buf.numpy())
         digest = h.hexdigest()
         self._announce_digest(digest)
+        self._wait_members()
         return digest
+
+    def _wait_members(self) -> None:
+        """Until every member has read the digest (and checked it), within the timeout: only then may the
+        store go away."""
+
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while self.store.add("done", 0) < self.world - 1:
+            if time.monotonic() > deadline:
+                raise BroadcastFailed(f"{self.world - 1 - self.store.add('done', 0)} member(s) never confirmed "
+                                      f"the digest within {self.timeout.total_seconds():g} s")
+            time.sleep(0.005)
 
     def _announce_digest(self, digest: str) -> None:
         self.store.set("digest", digest)
@@ -179,7 +194,10 @@ class WeightGroup:
                 e = entries[i]
                 out[e.name] = buf[offset:offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
         digest = h.hexdigest()
-        expected = self.store.get("digest").decode()
+        try:
+            expected = self.store.get("digest").decode()
+        finally:
+            self.store.add("done", 1)
         if digest != expected:
             raise BroadcastFailed(f"received weights have digest {digest}, the learner sent {expected}")
         return out, digest
