@@ -39,6 +39,11 @@ class Published(_Report):
     write_gb_per_s: float
     resume: bool
     """Published at start-up because the registry was ahead of the checkpoint (``learner.trainer``)."""
+    broadcast_s: float | None = None
+    """With ``publish.transport = "broadcast"``: streaming the version to the servers in its group, before
+    the write (None: no member, or files only)."""
+    broadcast_to: int = 0
+    """Rollout servers that received the version in memory (0 when the broadcast failed or had no member)."""
 
 
 class Status(_Report):

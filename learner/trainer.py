@@ -185,6 +185,8 @@ class Trainer:
         """Groups trained since the last checkpoint, with their ledger details (acknowledged after it)."""
         self.timeline = Timeline.off()
         """Rank 0's spans (read, step, publish, checkpoint: services.timeline), the run's once it leads."""
+        self.broadcaster = None
+        """Rank 0 with ``publish.transport = "broadcast"``: streams each version before its files are written."""
 
     # -- entry points -------------------------------------------------------
 
@@ -257,6 +259,10 @@ class Trainer:
         try:
             self.keys = Keys(self.run_id)
             self.registry = WeightRegistry(self.redis, self.keys)
+            if self.cfg.publish.transport == "broadcast":
+                from learner.broadcaster import Broadcaster
+
+                self.broadcaster = Broadcaster(self.redis, self.keys, self.cfg.publish, self.settings.broadcast_host)
             self.feeder = Feeder(
                 self.redis, self.keys, self.cfg, vocab_size=self.engine.vocab_size, max_len=self.engine.max_len,
                 consumer=f"learner-{self.settings.name}",
@@ -400,6 +406,10 @@ class Trainer:
         t0 = time.perf_counter()
         tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
+        sent = None
+        if self.broadcaster is not None and not layout:  # full weights only (the config refuses adapters)
+            with self.timeline.span("broadcast", "rank0", step=self.step, version=version):
+                sent = await self.broadcaster.send(version, tensors)
         written = store.write_version(self.paths.weights, version, tensors, step=self.step, replace=True, **layout)
         if self.settings.run_dir_volume:  # other containers see the version only once committed
             await asyncio.to_thread(store.commit_volume, self.settings.run_dir_volume)
@@ -412,6 +422,8 @@ class Trainer:
         info = Published(
             version=version, step=self.step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
             total_s=time.perf_counter() - t0, write_gb_per_s=written.gb_per_s, resume=resume,
+            broadcast_s=None if sent is None else sent.seconds,
+            broadcast_to=0 if sent is None or sent.digest is None else len(sent.members),
         )
         self.status.last_publish = info
         self._audit("published.jsonl", info.model_dump())
