@@ -54,7 +54,11 @@ each newer version as soon as it is published; admission's ``stale`` answer
 loads it too (whichever comes first; the engine's reload lock makes the other
 a no-op). What happens to groups in flight during a reload is the engine's
 policy (``engine`` module docstring): they finish on the old weights and are
-tagged with the old version.
+tagged with the old version. With ``publish.transport = "broadcast"`` the
+actor is also a member of the run's weight group (``broker.broadcast``) and
+receives each version the learner announces in memory, before its files are
+registered (ledger ``received``); a version it misses still comes from the
+registry.
 
 Held-out evaluation (``services.evaluate``): right after loading a version that
 is due (version 0 at start when ``eval.before``, then every ``eval.every``

@@ -670,7 +670,7 @@ class RolloutEngine:
             try:
                 await self._within(transport.apply(self.llm, prepared), what=what,
                                    on="the in-place load in vLLM's workers")
-            except EngineDead:
+            except (EngineDead, WeightLoadError):  # the latter: refused with the weights untouched
                 raise
             except Exception as e:  # noqa: BLE001  the worker's error arrives as whatever it raised
                 await self._restore(e, request)

@@ -14,13 +14,12 @@ A load has two halves, so that slow I/O never stalls generation:
 of safetensors per version: local disk, a docker-compose volume, a Modal
 Volume); the format of that directory, its checksum and the reading of its
 headers belong to ``services.weightstore``, which the learner writes it with.
-A GPU transport over vLLM's NCCL weight-transfer engine fits the
-same two methods: ``prepare`` would call ``init_weight_transfer_engine`` once
-and agree on the tensor list with the learner, ``apply`` would call
-``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` while
-the learner broadcasts. The actor loop and the HTTP API only ever call
-``RolloutEngine.load_weights(LoadWeights)``, which picks the transport by URI
-scheme, so adding one touches neither.
+:class:`BroadcastTransport` handles ``broadcast://`` URIs: the server's seat in
+one version's in-memory weight group (``publish.transport = "broadcast"``;
+``services.weightgroup``), ``prepare`` checking the learner's manifest and
+``apply`` receiving the tensors in every vLLM worker. The actor loop and the
+HTTP API only ever call ``RolloutEngine.load_weights(LoadWeights)``, which
+picks the transport by URI scheme, so adding one touches neither.
 
 :func:`confine` is what ``POST /v1/weights`` asks before any of this: the
 path of a version named over HTTP, resolved, must lie under the weight
@@ -210,8 +209,16 @@ class BroadcastTransport:
         return Prepared(request, seat, sum(e.nbytes for e in entries))
 
     async def apply(self, llm: Any, prepared: Prepared) -> None:
+        """Receive and load; a :class:`WeightLoadError` (503) when the group failed or the digest differed
+        in some worker before anything was loaded (so no restore is needed: the old weights serve on)."""
         seat: weightgroup.Invitation = prepared.location
-        await llm.collective_rpc("tandem_receive_weights", kwargs={
+        why = await llm.collective_rpc("tandem_receive_weights", kwargs={
             "host": seat.host, "port": seat.port, "rank": seat.rank, "world": seat.world, "group": seat.group,
             "timeout_s": seat.timeout_s,
         })
+        failed = [w for w in why if w is not None]
+        if failed and len(failed) < len(why):
+            # some workers loaded, some did not: the tensor-parallel shards disagree; the engine restores
+            raise RuntimeError(f"version {prepared.request.version} reached only some workers: {failed[0]}")
+        if failed:
+            raise WeightLoadError(503, f"version {prepared.request.version} not received: {failed[0]}")
