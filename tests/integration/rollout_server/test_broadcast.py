@@ -20,7 +20,7 @@ from services.wire import LoadWeights
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
 PROMPT = "The answer is"
-ATOL = 2e-3  # the project's tolerance between two computations of the same weights (tests/.../test_http.py)
+ATOL = 2e-3  # the project's tolerance between two computations of the same weights (tests/integration/rollout_server/test_http.py)
 
 
 def _learner(tensors: dict, version: int, timeout_s: float = 60.0, cls=WeightGroup) -> tuple[Invitation, threading.Thread, list]:
