@@ -14,7 +14,8 @@ version's files through the weight registry, as every server does for a version 
 
 The announcement is not the version's registry entry: the registry still records each version (uri
 and sha256 of its files) once the files are written; the ledger gets a ``broadcast`` event from the
-learner (members, digest, seconds) and a ``received`` event from each server (its digest).
+learner before it announces (version, members), ``broadcast_sent`` after the send (digest, seconds) and a
+``received`` event from each server that loaded it.
 """
 
 from __future__ import annotations

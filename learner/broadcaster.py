@@ -9,7 +9,8 @@ export and any server left out still have the version.
 Failure never stops the learner: with no member, nothing is sent; a member that never joins or stops
 answering costs at most ``publish.broadcast_timeout_s`` per wait, then the broadcast is abandoned, its
 members are dropped from the board (they join again with their next heartbeat, and meanwhile load the
-version's files) and the ledger records why.
+version's files) and the ledger records why. The ledger's ``broadcast`` event (version, members) comes
+before the announcement, ``broadcast_sent`` (digest or error, seconds) after the send.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Broadcaster:
         digest = error = None
         try:
             group = await asyncio.to_thread(WeightGroup, self.host, 0, 0, world, timeout_s=timeout, name=name)
+            # in the ledger first: a server may hold the version before anything else is recorded
+            await self.ledger.append("broadcast", version=version, members=sorted(seats))
             await self.board.announce(Announcement(version=version, host=self.host, port=group.port, group=name,
                                                    world=world, seats=seats, timeout_s=timeout,
                                                    created_at=time.time()))
@@ -66,6 +69,6 @@ class Broadcaster:
             await self.board.drop(*seats)
             log.warning("broadcast of v%d to %s abandoned (%s); they load its files", version, sorted(seats), e)
         sent = Sent(version, sorted(seats), time.perf_counter() - t0, digest, error)
-        await self.ledger.append("broadcast", version=version, members=sent.members, digest=digest,
+        await self.ledger.append("broadcast_sent", version=version, members=sent.members, digest=digest,
                                  seconds=round(sent.seconds, 4), **({"error": error} if error else {}))
         return sent

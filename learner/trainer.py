@@ -304,25 +304,29 @@ class Trainer:
         await feeder.start()
         latest = await self.registry.latest()
         registered = latest.version if latest else 0
+        announced = await self._announced()
         if registered < self.version:
             raise RuntimeError(
                 f"the registry's latest version is {registered} but the checkpoint holds {self.version}: "
                 "the broker lost data (is Redis persistent?)"
             )
+        # a version broadcast in memory but never registered (the learner died before its files) was
+        # served: its number is retracted with the others and never reused
+        ahead = max(registered, announced)
         lost = max(0, self._last_trained_step() - self.step)
         await feeder.ledger.append("started", pid=os.getpid(), step=self.step, version=self.version,
                                    max_staleness=self.cfg.staleness.max_staleness, steps=self.cfg.learner.steps,
                                    groups_per_step=self.cfg.learner.groups_per_step, lost_steps=lost)
-        if registered > self.version:
+        if ahead > self.version:
             log.warning(
                 "versions %d..%d were published after the last checkpoint (step %d; %d steps lost): retracting them "
                 "and publishing the resumed weights as version %d",
-                self.version + 1, registered, self.step, lost, registered + 1,
+                self.version + 1, ahead, self.step, lost, ahead + 1,
             )
-            await self.registry.retract(list(range(self.version + 1, registered + 1)),
+            await self.registry.retract(list(range(self.version + 1, ahead + 1)),
                                         checkpoint_step=self.step, lost_steps=lost)
             self.ranks.send(RankCommand(step=self.step, publish=True))
-            await self._publish(registered + 1, resume=True)
+            await self._publish(ahead + 1, resume=True)
         feeder.retracted = await self.registry.retracted()
         self.status.lost_steps += lost
         self.status.retracted = sorted(feeder.retracted)
@@ -370,6 +374,13 @@ class Trainer:
             await IncidentLog(self.redis, self.keys, source="learner:rank0").append(inc)
         except Exception as e2:  # noqa: BLE001  the timeout below matters more than its record
             log.error("could not record the incident: %r", e2)
+
+    async def _announced(self) -> int:
+        """The newest version a broadcast announced (0: none), whether or not its files were registered."""
+        from broker.broadcast import BroadcastBoard
+
+        a = await BroadcastBoard(self.redis, self.keys).latest()
+        return 0 if a is None else a.version
 
     def _plan(self, batch: Batch) -> RankCommand:
         """What the step that trains ``batch`` does: every rank's rows, and whether it publishes and checkpoints."""

@@ -55,8 +55,9 @@ async def test_a_broadcast_version_serves_the_learners_log_probs(one_rank_runs, 
     await engine.load_weights(LoadWeights(version=version, uri=seat.uri))
     sent = await asyncio.wait_for(sending, 60)
     assert sent.digest is not None and sent.error is None and sent.members == ["rollout-a"]
-    events = [e for e in await Ledger(redis, keys).read() if e["e"] == "broadcast"]
-    assert [e["d"]["digest"] for e in events] == [sent.digest]
+    events = [(e["e"], e["d"]) for e in await Ledger(redis, keys).read()]
+    assert events[0] == ("broadcast", {"version": version, "members": ["rollout-a"]})
+    assert events[1][0] == "broadcast_sent" and events[1][1]["digest"] == sent.digest
 
     # the files the learner then writes hold the same weights; the learner's own log-probs are what they give
     written = store.write_version(weight_versions.root / f"broadcast-{keys.run_id}", version, tensors, step=2)
