@@ -187,6 +187,8 @@ class Trainer:
         """Rank 0's spans (read, step, publish, checkpoint: services.timeline), the run's once it leads."""
         self.broadcaster = None
         """Rank 0 with ``publish.transport = "broadcast"``: streams each version before its files are written."""
+        self._writing: asyncio.Task | None = None
+        """The background write and registration of the last broadcast version (:meth:`_publish`)."""
 
     # -- entry points -------------------------------------------------------
 
@@ -288,6 +290,9 @@ class Trainer:
                 await self._report(batch, stats, train_s)
             await self._finish()
         finally:
+            if self._writing is not None:  # failing: a half-written version is cleaned at the next start
+                self._writing.cancel()
+                await asyncio.gather(self._writing, return_exceptions=True)
             await self.timeline.stop_async()
             await self.redis.aclose()
 
@@ -407,40 +412,70 @@ class Trainer:
         return stats, time.monotonic() - t0
 
     async def _publish(self, version: int, *, resume: bool) -> None:
-        """Gather (collective), write and register ``version``; prune old versions. It becomes v_learner."""
-        import torch
+        """Gather (collective), write and register ``version``; prune old versions. It becomes v_learner.
 
-        from broker import WeightVersion
-        from services import weightstore as store
+        With ``publish.transport = "broadcast"`` the version is streamed to the servers in its group first
+        and its files are written and registered in the background (:meth:`_written` waits for them: before
+        the next publish, so the registry stays in order, and before a checkpoint, which must find its
+        version registered at a resume): the learner's next step does not wait for the disk."""
+        import torch
 
         dtype = getattr(torch, self.cfg.model.dtype)
         t0 = time.perf_counter()
         tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
-        sent = None
-        if self.broadcaster is not None and not layout:  # full weights only (the config refuses adapters)
-            with self.timeline.span("broadcast", "rank0", step=self.step, version=version):
-                sent = await self.broadcaster.send(version, tensors)
-        written = store.write_version(self.paths.weights, version, tensors, step=self.step, replace=True, **layout)
+        if self.broadcaster is None or layout:  # files (adapters are never broadcast: the config refuses it)
+            await self._write(version, self.step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=None)
+            return
+        await self._written()
+        with self.timeline.span("broadcast", "rank0", step=self.step, version=version):
+            sent = await self.broadcaster.send(version, tensors)
+        if self.engine.zero_stage != 3:  # unsharded tensors may be the live parameters the next step changes
+            tensors = {k: t.clone() for k, t in tensors.items()}
+        self.version = version
+        self._writing = asyncio.create_task(
+            self._write(version, self.step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=sent,
+                        blocked_s=time.perf_counter() - t0),
+            name=f"write-v{version}")
+
+    async def _written(self) -> None:
+        """Wait for the background write of the last broadcast version (its failure is raised here)."""
+        if self._writing is not None:
+            task, self._writing = self._writing, None
+            await task
+
+    async def _write(self, version: int, step: int, tensors: dict, layout: dict, *, resume: bool, t0: float,
+                     gather_s: float, sent, blocked_s: float | None = None) -> None:
+        """Write and register ``version`` (the weights of ``step``), record it, prune. ``blocked_s``: set when it runs in the background
+        (the learner was blocked that long: gather + broadcast), the write then in a thread of its own."""
+        from broker import WeightVersion
+        from services import weightstore as store
+
+        def write():
+            return store.write_version(self.paths.weights, version, tensors, step=step, replace=True, **layout)
+
+        written = await asyncio.to_thread(write) if blocked_s is not None else write()
         if self.settings.run_dir_volume:  # other containers see the version only once committed
             await asyncio.to_thread(store.commit_volume, self.settings.run_dir_volume)
         await self.registry.publish(
             WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
                           created_at=time.time(), bytes=written.bytes),
-            step=self.step,
+            step=step,
         )
-        self.version = version
+        self.version = max(self.version, version)
         info = Published(
-            version=version, step=self.step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
+            version=version, step=step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
             total_s=time.perf_counter() - t0, write_gb_per_s=written.gb_per_s, resume=resume,
             broadcast_s=None if sent is None else sent.seconds,
             broadcast_to=0 if sent is None or sent.digest is None else len(sent.members),
+            blocked_s=time.perf_counter() - t0 if blocked_s is None else blocked_s,
         )
         self.status.last_publish = info
         self._audit("published.jsonl", info.model_dump())
         log.info(
-            "published v%d (step %d): %.1f MB in %.3f s (gather %.3f s, write %.3f s = %.2f GB/s)",
-            version, self.step, written.bytes / 1e6, info.total_s, gather_s, written.seconds, written.gb_per_s,
+            "published v%d (step %d): %.1f MB in %.3f s (gather %.3f s, write %.3f s = %.2f GB/s; learner blocked "
+            "%.3f s)", version, step, written.bytes / 1e6, info.total_s, gather_s, written.seconds,
+            written.gb_per_s, info.blocked_s,
         )
         if self.metrics is not None:
             self.metrics.observe_publish(info)
@@ -473,6 +508,8 @@ class Trainer:
         """Save this step's checkpoint (collective) with the groups held since the last one, then
         acknowledge them: the checkpoint holds their update."""
         from learner.crash import crash_point
+
+        await self._written()  # a resume from it finds its version registered
 
         state = {
             "step": self.step, "version": self.version,
@@ -527,6 +564,7 @@ class Trainer:
     async def _finish(self) -> None:
         """The loop ended (last step, or stopped): keep the progress, release the other ranks, report;
         a finished run's leftover groups are ended and its ledger exported."""
+        await self._written()
         if self.saved_step < self.step:
             # stopped on request (SIGTERM): keep the progress and acknowledge what it trained
             self.ranks.send(RankCommand(step=self.step, checkpoint=True))
