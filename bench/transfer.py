@@ -227,10 +227,9 @@ def main() -> None:
                         "note": "per rollout server, the learner's NIC shared by all of them"},
         "files_local": {"learner_s": gather + written.seconds, "rollout_s": verify_s + read_s,
                         "note": "this machine's disk, no volume: publish.transport = files"},
-        "broadcast": {"learner_s": gather + broadcast_s + written.seconds, "rollout_s": member_s,
-                      "learner_s_files_off_path": gather + broadcast_s,
-                      "note": "gloo to one member; learner_s still includes the file write (it is not yet "
-                              "moved to a background writer), learner_s_files_off_path is without it"},
+        "broadcast": {"learner_s": gather + broadcast_s, "rollout_s": member_s, "files_behind_s": written.seconds,
+                      "note": "gloo to one member; the files are written in the background meanwhile "
+                              "(learner.trainer), files_behind_s after the broadcast"},
         "lora_adapter": {"bytes": lora, "learner_s": lora / rate["write"] + lora / (VOLUME_GB_PER_S * 1e9),
                          "rollout_s": lora / (VOLUME_GB_PER_S * 1e9)},
     }
