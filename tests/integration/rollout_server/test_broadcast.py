@@ -112,3 +112,48 @@ async def test_a_broadcast_of_another_model_is_refused_before_the_engine_is_touc
     assert e.value.status == 422 and engine.version == kept
     assert not await engine.llm.is_paused()
     sender.join(30)  # the learner gives up after its timeout: nobody joined
+
+
+LEARNER = """
+import sys, time
+from safetensors.torch import load_file
+from services.weightgroup import WeightGroup, encode, manifest
+g = WeightGroup("127.0.0.1", 0, 0, 2, timeout_s=60.0, name=sys.argv[2])
+g.store.set("bucket_bytes", str(1 << 16))
+g.store.set("manifest", encode(manifest(load_file(sys.argv[1]))))  # what send() does first
+print(g.port, flush=True)
+g._group()  # the engine joined
+print("formed", flush=True)
+time.sleep(600)  # a learner that dies before the first bucket
+"""
+
+
+async def test_a_learner_killed_mid_broadcast_leaves_the_engine_serving_the_old_version(rollout_engine,
+                                                                                       weight_versions):
+    import subprocess
+    import sys
+
+    from rollout_server.transports import WeightLoadError
+
+    engine = rollout_engine
+    ids = engine.tokenize(PROMPT)
+    await engine.load_weights(weight_versions.make(seed=124))
+    kept, before = engine.version, await _greedy(engine, ids)
+    v = weight_versions.next_version()
+    learner = subprocess.Popen([sys.executable, "-c", LEARNER, str(weight_versions.weights_of_seed(125) /
+                                                                    "model.safetensors"), f"v{v}"],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        port = int(await asyncio.to_thread(learner.stdout.readline))
+        seat = Invitation("127.0.0.1", port, f"v{v}", 1, 2, 10.0)
+        load = asyncio.create_task(engine.load_weights(LoadWeights(version=v, uri=seat.uri)))
+        assert (await asyncio.to_thread(learner.stdout.readline)).strip() == "formed"
+        learner.kill()
+        with pytest.raises(WeightLoadError, match="not received"):
+            await asyncio.wait_for(load, 60)
+    finally:
+        learner.kill()
+        learner.wait()
+    assert engine.alive and engine.version == kept and not await engine.llm.is_paused()
+    after = await _greedy(engine, ids)
+    assert after.token_ids == before.token_ids and after.policy_version == kept
