@@ -136,7 +136,8 @@ class WeightGroup:
         try:
             self._group().broadcast([buf], opts).wait(self.timeout)
         except RuntimeError as e:
-            raise BroadcastFailed(f"broadcast to {self.world - 1} member(s) failed: {e}") from e
+            what = f"broadcast to {self.world - 1} member(s)" if self.rank == 0 else "broadcast from the learner"
+            raise BroadcastFailed(f"{what} failed: {e}") from e
 
     def send(self, tensors: Mapping[str, Any], bucket_bytes: int = BUCKET_BYTES) -> str:
         """Rank 0: stream ``tensors`` to every member; return the digest (also left in the store)."""
