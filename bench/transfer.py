@@ -18,7 +18,10 @@ bf16 tensors in 256 MB pieces (layer-sized) on the GPU (CPU without one), it tim
    i6pn network between containers is documented at >= 50 Gbit/s = 6.25 GB/s, and one learner
    sends every rollout server its own copy);
 5. the LoRA adapter of the same model (rank 16 on q/k/v/o, bf16) in bytes, timed at the measured
-   write rate.
+   write rate;
+6. ``broadcast``: ``services.weightgroup`` streaming the host copy to one rollout-side process over
+   torch.distributed gloo on this machine (``publish.transport = "broadcast"``): the learner's
+   seconds (``send``, until the member confirmed the digest) and the member's (join, receive, digest).
 
 It prints each rate side by side and, for the three transports, the seconds a version costs the
 learner (its critical path) and the seconds until one rollout server holds it.
@@ -31,6 +34,7 @@ import hashlib
 import http.client
 import http.server
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -66,9 +70,48 @@ def sync(device) -> None:
 def make_tensors(nbytes: int, device):
     import torch
 
-    n = max(1, nbytes // PIECE_BYTES)
-    return {f"model.layers.{i}.weight": torch.randn(PIECE_BYTES // 2, dtype=torch.bfloat16, device=device)
+    piece = min(PIECE_BYTES, nbytes)
+    n = max(1, nbytes // piece)
+    return {f"model.layers.{i}.weight": torch.randn(piece // 2, dtype=torch.bfloat16, device=device)
             for i in range(n)}
+
+
+MEMBER = """
+import sys, time
+import torch.distributed
+from services.weightgroup import WeightGroup
+print("ready", flush=True)
+sys.stdin.readline()  # started like a vLLM worker: already running when the announcement comes
+t0 = time.perf_counter()
+tensors, digest = WeightGroup("127.0.0.1", int(sys.argv[1]), 1, 2, timeout_s=600.0, name="bench").receive()
+print(time.perf_counter() - t0, digest, flush=True)
+"""
+
+
+def broadcast(tensors) -> tuple[str, float, float]:
+    """Stream ``tensors`` (host) to one member process over gloo; (digest, learner seconds, member seconds)."""
+    import subprocess
+
+    from services.weightgroup import WeightGroup
+
+    group = WeightGroup("127.0.0.1", 0, 0, 2, timeout_s=600.0, name="bench")
+    root = str(Path(__file__).resolve().parents[1])
+    member = subprocess.Popen([sys.executable, "-c", MEMBER, str(group.port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root},
+                              start_new_session=True)
+    try:
+        assert member.stdout.readline().strip() == "ready"
+        t0 = time.perf_counter()
+        member.stdin.write("go\n")
+        member.stdin.flush()
+        digest = group.send(tensors)  # the group forms when the member joins: its join is in learner_s
+        learner_s = time.perf_counter() - t0
+        member_s, member_digest = member.communicate(timeout=600)[0].split()
+    finally:
+        member.kill()
+        member.wait()
+    assert member_digest == digest, "the member received other bytes"
+    return digest, learner_s, float(member_s)
 
 
 def device_to_host(tensors, pinned: bool, device) -> tuple[dict, float]:
@@ -161,17 +204,19 @@ def main() -> None:
         host, pinned_s = device_to_host(tensors, pinned=True, device=device)
         del tensors
         written = weightstore.write_version(work / "weights", 1, host, step=1)
+        _, broadcast_s, member_s = broadcast(host)
         del host
         _, verify_s = timed(lambda: weightstore.verify(written.path, written.sha256))
         read_s = read_all(written.path, device)
         sha, http_s = http_stream(written.path / weightstore.WEIGHTS_FILE, work / "received.safetensors")
         assert sha == written.sha256, "the HTTP copy differs from the version"
     rate = {"d2h_pageable": nbytes / pageable_s, "d2h_pinned": nbytes / pinned_s, "write": written.bytes / written.seconds,
-            "verify": nbytes / verify_s, "read": nbytes / read_s, "http_loopback": nbytes / http_s}
+            "verify": nbytes / verify_s, "read": nbytes / read_s, "http_loopback": nbytes / http_s,
+            "broadcast": nbytes / broadcast_s}
     report["gb_per_s"] = {k: round(v / 1e9, 3) for k, v in rate.items()}
     report["seconds"] = {"d2h_pageable": round(pageable_s, 3), "d2h_pinned": round(pinned_s, 3),
                          "write": round(written.seconds, 3), "verify": round(verify_s, 3), "read": round(read_s, 3),
-                         "http_loopback": round(http_s, 3)}
+                         "http_loopback": round(http_s, 3), "broadcast": round(broadcast_s, 3)}
     gather = pageable_s  # what full_state_dict pays today
     volume = nbytes / (VOLUME_GB_PER_S * 1e9)
     link = nbytes / min(rate["http_loopback"], I6PN_GB_PER_S * 1e9)
@@ -180,6 +225,11 @@ def main() -> None:
                    "rollout_s": volume + verify_s + read_s, "note": "commit and read at the documented 2.5 GB/s"},
         "http_stream": {"learner_s": gather, "rollout_s": link + read_s,
                         "note": "per rollout server, the learner's NIC shared by all of them"},
+        "files_local": {"learner_s": gather + written.seconds, "rollout_s": verify_s + read_s,
+                        "note": "this machine's disk, no volume: publish.transport = files"},
+        "broadcast": {"learner_s": gather + broadcast_s, "rollout_s": member_s, "files_behind_s": written.seconds,
+                      "note": "gloo to one member; the files are written in the background meanwhile "
+                              "(learner.trainer), files_behind_s after the broadcast"},
         "lora_adapter": {"bytes": lora, "learner_s": lora / rate["write"] + lora / (VOLUME_GB_PER_S * 1e9),
                          "rollout_s": lora / (VOLUME_GB_PER_S * 1e9)},
     }

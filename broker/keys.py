@@ -94,6 +94,22 @@ class Keys:
         return self._k("weights:retracted")
 
     @property
+    def weights_members(self) -> str:
+        """Hash server_id -> '[workers, timestamp]': rollout servers ready to join a weight broadcast
+        (``broker.broadcast``), renewed as a heartbeat."""
+        return self._k("weights:members")
+
+    @property
+    def weights_broadcast(self) -> str:
+        """String: the newest broadcast announcement (``broker.broadcast.Announcement`` JSON)."""
+        return self._k("weights:broadcast")
+
+    @property
+    def weights_broadcast_channel(self) -> str:
+        """Pub/sub channel: the version number of each new broadcast announcement."""
+        return self._k("weights:broadcasting")
+
+    @property
     def ledger(self) -> str:
         """Stream of every prompt group's life and every version event (``broker.ledger``)."""
         return self._k("ledger")

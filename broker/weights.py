@@ -46,12 +46,19 @@ class VersionConflict(Exception):
     """A publish that would skip or repeat a version."""
 
 
-# KEYS: latest, history, channel, ledger. ARGV: version, record json, ledger detail
+# KEYS: latest, history, channel, ledger, retracted. ARGV: version, record json, ledger detail
 _PUBLISH = LEDGER_LUA + """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
 local v = tonumber(ARGV[1])
-if cur ~= -1 and v ~= cur + 1 then
+if cur ~= -1 and v <= cur then
   return {0, cur}
+end
+if cur ~= -1 then
+  for skipped = cur + 1, v - 1 do
+    if redis.call('SISMEMBER', KEYS[5], skipped) == 0 then
+      return {0, cur}
+    end
+  end
 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'record', ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
@@ -75,10 +82,14 @@ class WeightRegistry:
 
         Raises :class:`VersionConflict` unless ``wv.version`` is exactly one
         above the current latest (the first publish may start anywhere, so
-        a run resumed from a checkpoint continues its numbering).
+        a run resumed from a checkpoint continues its numbering), or above
+        it by retracted versions only: numbers a learner broadcast in memory
+        and died before registering (``learner.trainer``'s resume retracts
+        them and never reuses their numbers).
         """
         ok, cur = await self._publish(
-            keys=[self.keys.weights_latest, self.keys.weights_history, self.keys.weights_channel, self.keys.ledger],
+            keys=[self.keys.weights_latest, self.keys.weights_history, self.keys.weights_channel, self.keys.ledger,
+                  self.keys.weights_retracted],
             args=[wv.version, wv.model_dump_json(), ledger_detail(version=wv.version, sha256=wv.sha256, step=step)],
         )
         if not ok:

@@ -16,7 +16,9 @@ The checks, each a violation when it fails:
   finished run, every step up to its last trained some (a step whose groups
   were trained into a checkpoint but never acknowledged is training lost);
 - weight versions were published contiguously (each one more than the
-  last, none twice), every retracted version was published, and every
+  last, none twice; a number skipped only if it was broadcast in memory
+  and then retracted: a learner that died between a broadcast and the
+  version's files), every retracted version was published or broadcast, and every
   version a rollout server loaded was published with the sha256 it loaded,
   and not loaded after it was retracted.
 
@@ -92,6 +94,7 @@ def audit(entries: list[dict]) -> Audit:
     generated: dict[str, dict] = {}
     sha: dict[int, str] = {}
     retracted: set[int] = set()
+    announced: set[int] = set()  # versions broadcast in memory (publish.transport = "broadcast")
     per_step: Counter[int] = Counter()
     eta = groups_per_step = finished_steps = None
     for e in entries:
@@ -111,17 +114,20 @@ def audit(entries: list[dict]) -> Audit:
             if kind == "trained":
                 _check_trained(a, gid, d, generated.get(gid), eta, retracted)
                 per_step[d["step"]] += 1
+        elif kind == "broadcast":  # announced: a server may hold it in memory before its files are published
+            announced.add(d["version"])
         elif kind == "published":
             v = d["version"]
+            skipped = set(range(a.published[-1] + 1, v)) if a.published else set()
             if v in sha:
                 a.violate(f"version {v} published twice")
-            elif a.published and v != a.published[-1] + 1:
+            elif a.published and (v <= a.published[-1] or not skipped <= (retracted & announced)):
                 a.violate(f"version {v} published after {a.published[-1]}: not contiguous")
             sha[v] = d["sha256"]
             a.published.append(v)
         elif kind == "retracted":
             for v in d["versions"]:
-                if v not in sha:
+                if v not in sha and v not in announced:
                     a.violate(f"version {v} retracted but never published")
             retracted.update(d["versions"])
         elif kind == "loaded":

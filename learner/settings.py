@@ -30,6 +30,12 @@ class LearnerSettings(WorkerSettings):
     learner of a run waits 1.5 times this for the lease and then gives up, naming its holder; a learner
     that cannot renew it for this long ends itself."""
 
+    broadcast_host: str = "127.0.0.1"
+    """The address of this learner that rollout servers reach to join a weight broadcast
+    (TANDEM_LEARNER_BROADCAST_HOST; the run config's ``publish.transport = "broadcast"``): rank 0 hosts
+    each version's group store on a free port of it. The tensors themselves travel on the interface
+    gloo picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides)."""
+
     @property
     def holder_id(self) -> str:
         """:attr:`holder`, or its default (every rank of a torchrun job shares the agent's pid)."""

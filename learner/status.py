@@ -39,6 +39,14 @@ class Published(_Report):
     write_gb_per_s: float
     resume: bool
     """Published at start-up because the registry was ahead of the checkpoint (``learner.trainer``)."""
+    broadcast_s: float | None = None
+    """With ``publish.transport = "broadcast"``: streaming the version to the servers in its group, before
+    the write (None: no member, or files only)."""
+    blocked_s: float | None = None
+    """What the publish cost the learner's loop: ``total_s`` for files; gather + broadcast with
+    ``transport = "broadcast"``, whose files are written in the background meanwhile."""
+    broadcast_to: int = 0
+    """Rollout servers that received the version in memory (0 when the broadcast failed or had no member)."""
 
 
 class Status(_Report):

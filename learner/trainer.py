@@ -185,6 +185,10 @@ class Trainer:
         """Groups trained since the last checkpoint, with their ledger details (acknowledged after it)."""
         self.timeline = Timeline.off()
         """Rank 0's spans (read, step, publish, checkpoint: services.timeline), the run's once it leads."""
+        self.broadcaster = None
+        """Rank 0 with ``publish.transport = "broadcast"``: streams each version before its files are written."""
+        self._writing: asyncio.Task | None = None
+        """The background write and registration of the last broadcast version (:meth:`_publish`)."""
 
     # -- entry points -------------------------------------------------------
 
@@ -257,6 +261,10 @@ class Trainer:
         try:
             self.keys = Keys(self.run_id)
             self.registry = WeightRegistry(self.redis, self.keys)
+            if self.cfg.publish.transport == "broadcast":
+                from learner.broadcaster import Broadcaster
+
+                self.broadcaster = Broadcaster(self.redis, self.keys, self.cfg.publish, self.settings.broadcast_host)
             self.feeder = Feeder(
                 self.redis, self.keys, self.cfg, vocab_size=self.engine.vocab_size, max_len=self.engine.max_len,
                 consumer=f"learner-{self.settings.name}",
@@ -282,6 +290,9 @@ class Trainer:
                 await self._report(batch, stats, train_s)
             await self._finish()
         finally:
+            if self._writing is not None:  # failing: a half-written version is cleaned at the next start
+                self._writing.cancel()
+                await asyncio.gather(self._writing, return_exceptions=True)
             await self.timeline.stop_async()
             await self.redis.aclose()
 
@@ -298,25 +309,29 @@ class Trainer:
         await feeder.start()
         latest = await self.registry.latest()
         registered = latest.version if latest else 0
+        announced = await self._announced()
         if registered < self.version:
             raise RuntimeError(
                 f"the registry's latest version is {registered} but the checkpoint holds {self.version}: "
                 "the broker lost data (is Redis persistent?)"
             )
+        # a version broadcast in memory but never registered (the learner died before its files) was
+        # served: its number is retracted with the others and never reused
+        ahead = max(registered, announced)
         lost = max(0, self._last_trained_step() - self.step)
         await feeder.ledger.append("started", pid=os.getpid(), step=self.step, version=self.version,
                                    max_staleness=self.cfg.staleness.max_staleness, steps=self.cfg.learner.steps,
                                    groups_per_step=self.cfg.learner.groups_per_step, lost_steps=lost)
-        if registered > self.version:
+        if ahead > self.version:
             log.warning(
                 "versions %d..%d were published after the last checkpoint (step %d; %d steps lost): retracting them "
                 "and publishing the resumed weights as version %d",
-                self.version + 1, registered, self.step, lost, registered + 1,
+                self.version + 1, ahead, self.step, lost, ahead + 1,
             )
-            await self.registry.retract(list(range(self.version + 1, registered + 1)),
+            await self.registry.retract(list(range(self.version + 1, ahead + 1)),
                                         checkpoint_step=self.step, lost_steps=lost)
             self.ranks.send(RankCommand(step=self.step, publish=True))
-            await self._publish(registered + 1, resume=True)
+            await self._publish(ahead + 1, resume=True)
         feeder.retracted = await self.registry.retracted()
         self.status.lost_steps += lost
         self.status.retracted = sorted(feeder.retracted)
@@ -365,6 +380,13 @@ class Trainer:
         except Exception as e2:  # noqa: BLE001  the timeout below matters more than its record
             log.error("could not record the incident: %r", e2)
 
+    async def _announced(self) -> int:
+        """The newest version a broadcast announced (0: none), whether or not its files were registered."""
+        from broker.broadcast import BroadcastBoard
+
+        a = await BroadcastBoard(self.redis, self.keys).latest()
+        return 0 if a is None else a.version
+
     def _plan(self, batch: Batch) -> RankCommand:
         """What the step that trains ``batch`` does: every rank's rows, and whether it publishes and checkpoints."""
         from learner.batch import split_ranks
@@ -390,34 +412,70 @@ class Trainer:
         return stats, time.monotonic() - t0
 
     async def _publish(self, version: int, *, resume: bool) -> None:
-        """Gather (collective), write and register ``version``; prune old versions. It becomes v_learner."""
-        import torch
+        """Gather (collective), write and register ``version``; prune old versions. It becomes v_learner.
 
-        from broker import WeightVersion
-        from services import weightstore as store
+        With ``publish.transport = "broadcast"`` the version is streamed to the servers in its group first
+        and its files are written and registered in the background (:meth:`_written` waits for them: before
+        the next publish, so the registry stays in order, and before a checkpoint, which must find its
+        version registered at a resume): the learner's next step does not wait for the disk."""
+        import torch
 
         dtype = getattr(torch, self.cfg.model.dtype)
         t0 = time.perf_counter()
         tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
-        written = store.write_version(self.paths.weights, version, tensors, step=self.step, replace=True, **layout)
+        if self.broadcaster is None or layout:  # files (adapters are never broadcast: the config refuses it)
+            await self._write(version, self.step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=None)
+            return
+        await self._written()
+        with self.timeline.span("broadcast", "rank0", step=self.step, version=version):
+            sent = await self.broadcaster.send(version, tensors)
+        if self.engine.zero_stage != 3:  # unsharded tensors may be the live parameters the next step changes
+            tensors = {k: t.clone() for k, t in tensors.items()}
+        self.version = version
+        self._writing = asyncio.create_task(
+            self._write(version, self.step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=sent,
+                        blocked_s=time.perf_counter() - t0),
+            name=f"write-v{version}")
+
+    async def _written(self) -> None:
+        """Wait for the background write of the last broadcast version (its failure is raised here)."""
+        if self._writing is not None:
+            task, self._writing = self._writing, None
+            await task
+
+    async def _write(self, version: int, step: int, tensors: dict, layout: dict, *, resume: bool, t0: float,
+                     gather_s: float, sent, blocked_s: float | None = None) -> None:
+        """Write and register ``version`` (the weights of ``step``), record it, prune. ``blocked_s``: set when it runs in the background
+        (the learner was blocked that long: gather + broadcast), the write then in a thread of its own."""
+        from broker import WeightVersion
+        from services import weightstore as store
+
+        def write():
+            return store.write_version(self.paths.weights, version, tensors, step=step, replace=True, **layout)
+
+        written = await asyncio.to_thread(write) if blocked_s is not None else write()
         if self.settings.run_dir_volume:  # other containers see the version only once committed
             await asyncio.to_thread(store.commit_volume, self.settings.run_dir_volume)
         await self.registry.publish(
             WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
                           created_at=time.time(), bytes=written.bytes),
-            step=self.step,
+            step=step,
         )
-        self.version = version
+        self.version = max(self.version, version)
         info = Published(
-            version=version, step=self.step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
+            version=version, step=step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
             total_s=time.perf_counter() - t0, write_gb_per_s=written.gb_per_s, resume=resume,
+            broadcast_s=None if sent is None else sent.seconds,
+            broadcast_to=0 if sent is None or sent.digest is None else len(sent.members),
+            blocked_s=time.perf_counter() - t0 if blocked_s is None else blocked_s,
         )
         self.status.last_publish = info
         self._audit("published.jsonl", info.model_dump())
         log.info(
-            "published v%d (step %d): %.1f MB in %.3f s (gather %.3f s, write %.3f s = %.2f GB/s)",
-            version, self.step, written.bytes / 1e6, info.total_s, gather_s, written.seconds, written.gb_per_s,
+            "published v%d (step %d): %.1f MB in %.3f s (gather %.3f s, write %.3f s = %.2f GB/s; learner blocked "
+            "%.3f s)", version, step, written.bytes / 1e6, info.total_s, gather_s, written.seconds,
+            written.gb_per_s, info.blocked_s,
         )
         if self.metrics is not None:
             self.metrics.observe_publish(info)
@@ -450,6 +508,8 @@ class Trainer:
         """Save this step's checkpoint (collective) with the groups held since the last one, then
         acknowledge them: the checkpoint holds their update."""
         from learner.crash import crash_point
+
+        await self._written()  # a resume from it finds its version registered
 
         state = {
             "step": self.step, "version": self.version,
@@ -504,6 +564,7 @@ class Trainer:
     async def _finish(self) -> None:
         """The loop ended (last step, or stopped): keep the progress, release the other ranks, report;
         a finished run's leftover groups are ended and its ledger exported."""
+        await self._written()
         if self.saved_step < self.step:
             # stopped on request (SIGTERM): keep the progress and acknowledge what it trained
             self.ranks.send(RankCommand(step=self.step, checkpoint=True))

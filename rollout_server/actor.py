@@ -54,7 +54,11 @@ each newer version as soon as it is published; admission's ``stale`` answer
 loads it too (whichever comes first; the engine's reload lock makes the other
 a no-op). What happens to groups in flight during a reload is the engine's
 policy (``engine`` module docstring): they finish on the old weights and are
-tagged with the old version.
+tagged with the old version. With ``publish.transport = "broadcast"`` the
+actor is also a member of the run's weight group (``broker.broadcast``) and
+receives each version the learner announces in memory, before its files are
+registered (ledger ``received``); a version it misses still comes from the
+registry.
 
 Held-out evaluation (``services.evaluate``): right after loading a version that
 is due (version 0 at start when ``eval.before``, then every ``eval.every``
@@ -76,6 +80,7 @@ import time
 import httpx
 
 from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRegistry
+from broker.broadcast import BroadcastBoard
 from broker.ledger import Ledger
 from broker.streams import raise_if_cancelled
 from broker.weights import WeightVersion
@@ -91,11 +96,14 @@ from services.config import RunConfig
 from services.evaluate import EvalLog, due, score
 from services.timeline import Timeline
 from services.watchdog import IncidentLog, Stalled
+from services.weightgroup import Invitation
 
 log = logging.getLogger("tandem.rollout.actor")
 
 HEARTBEAT_S = 10.0
 LOAD_RETRY_S = 5.0
+BROADCAST_HEARTBEAT_S = 5.0
+"""A broadcast member renews its place on the board this often (the learner seats those seen in 30 s)."""
 
 
 def reward_client(rs: RolloutSettings, redis, keys: Keys, config: RunConfig) -> RewardClient:
@@ -180,6 +188,8 @@ class Actor:
             # if due, before any other version can load; training generation starts meanwhile
             await self._hold.acquire()
             tg.create_task(self._watch_weights())
+            if self.config.publish.transport == "broadcast" and self.engine.workers > 0:
+                tg.create_task(self._watch_broadcasts())
             tg.create_task(self._heartbeat())
             await self._admit(tg)
 
@@ -229,6 +239,32 @@ class Actor:
             raise_if_cancelled()
             if latest is not None:
                 await self._load(latest)
+
+    async def _watch_broadcasts(self) -> None:
+        """``publish.transport = "broadcast"``: be a member of the run's weight group (a heartbeat on the
+        board) and receive each version the learner announces with a seat for this server. A version
+        missed or refused here still arrives through the registry, from its files (``_watch_weights``)."""
+        board = BroadcastBoard(self.redis, self.keys)
+        while True:
+            await board.join(self.server_id, self.engine.workers)
+            a = await board.wait_seat(self.server_id, self.engine.version, timeout_s=BROADCAST_HEARTBEAT_S)
+            raise_if_cancelled()
+            if a is None:
+                continue
+            seat = Invitation(a.host, a.port, a.group, a.seats[self.server_id], a.world, a.timeout_s)
+            async with self._hold:
+                if a.version <= self.engine.version:
+                    continue
+                try:
+                    with self.timeline.span("broadcast", "weights", version=a.version):
+                        await self.engine.load_weights(wire.LoadWeights(version=a.version, uri=seat.uri))
+                except WeightLoadError as e:
+                    log.error("broadcast of version %d not received (%s); its files will follow", a.version,
+                              e.message)
+                    continue
+                await self.ledger.append("received", server=self.server_id, version=a.version)
+                await self.registry.report_in_use(self.server_id, self.engine.version)
+                await self._evaluate_if_due()
 
     async def _catch_up(self) -> None:
         latest = await self.registry.latest()

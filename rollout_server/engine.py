@@ -74,6 +74,7 @@ from rollout_server.metrics import RolloutMetrics, stat_logger_factory
 from rollout_server.settings import RolloutSettings
 from rollout_server.transports import (
     PREPARE_THREAD,
+    BroadcastTransport,
     FilesystemTransport,
     Prepared,
     WeightLoadError,
@@ -201,7 +202,11 @@ class RolloutEngine:
         self.version = version
         self.uri = uri or str(model_dir)
         self.reload_s: float | None = None
-        self.transports: list[WeightTransport] = [FilesystemTransport(checkpoint_signature(model_dir))]
+        reference = checkpoint_signature(model_dir)
+        self.transports: list[WeightTransport] = [FilesystemTransport(reference), BroadcastTransport(reference)]
+        self.workers = 1
+        """vLLM workers this engine runs (its tensor-parallel size): the ranks it takes in a weight group;
+        0 under vLLM data parallelism, whose replicas' workers one ``collective_rpc`` does not reach (it joins none)."""
         self.adapters: AdapterTransport | None = None
         """Set when vLLM serves LoRA adapters (``rollout_server.adapters``): versions are adapters on the base."""
         self._reload_lock = asyncio.Lock()
@@ -293,6 +298,7 @@ class RolloutEngine:
                 volume=settings.run_dir_volume,
             )
             await engine._load_tokenizer()
+            engine.workers = settings.tensor_parallel_size if settings.data_parallel_size == 1 else 0
             if lora_rank:
                 engine.adapters = AdapterTransport(model_dir, checkpoint_signature(model_dir), args.max_lora_rank,
                                                    version, lora_targets)
@@ -670,7 +676,7 @@ class RolloutEngine:
             try:
                 await self._within(transport.apply(self.llm, prepared), what=what,
                                    on="the in-place load in vLLM's workers")
-            except EngineDead:
+            except (EngineDead, WeightLoadError):  # the latter: refused with the weights untouched
                 raise
             except Exception as e:  # noqa: BLE001  the worker's error arrives as whatever it raised
                 await self._restore(e, request)

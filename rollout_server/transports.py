@@ -14,13 +14,12 @@ A load has two halves, so that slow I/O never stalls generation:
 of safetensors per version: local disk, a docker-compose volume, a Modal
 Volume); the format of that directory, its checksum and the reading of its
 headers belong to ``services.weightstore``, which the learner writes it with.
-A GPU transport over vLLM's NCCL weight-transfer engine fits the
-same two methods: ``prepare`` would call ``init_weight_transfer_engine`` once
-and agree on the tensor list with the learner, ``apply`` would call
-``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` while
-the learner broadcasts. The actor loop and the HTTP API only ever call
-``RolloutEngine.load_weights(LoadWeights)``, which picks the transport by URI
-scheme, so adding one touches neither.
+:class:`BroadcastTransport` handles ``broadcast://`` URIs: the server's seat in
+one version's in-memory weight group (``publish.transport = "broadcast"``;
+``services.weightgroup``), ``prepare`` checking the learner's manifest and
+``apply`` receiving the tensors in every vLLM worker. The actor loop and the
+HTTP API only ever call ``RolloutEngine.load_weights(LoadWeights)``, which
+picks the transport by URI scheme, so adding one touches neither.
 
 :func:`confine` is what ``POST /v1/weights`` asks before any of this: the
 path of a version named over HTTP, resolved, must lie under the weight
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from services import watchdog, weightstore
+from services import watchdog, weightgroup, weightstore
 from services.weightstore import checkpoint_signature
 from services.wire import LoadWeights
 
@@ -92,6 +91,23 @@ def confine(uri: str, root: Path) -> Path:
     return resolved
 
 
+def fits(sig: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]], version: int) -> None:
+    """422 unless a version's tensors (``sig``: names and shapes) are those of the served model."""
+    missing = sorted(set(reference) - set(sig))
+    # tied embeddings: a checkpoint may carry lm_head.weight or not
+    extra = sorted(set(sig) - set(reference) - {"lm_head.weight"})
+    wrong = sorted(n for n in set(sig) & set(reference) if sig[n] != reference[n])
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors {missing[:5]}")
+        if extra:
+            parts.append(f"unexpected tensors {extra[:5]}")
+        if wrong:
+            parts.append("shape mismatch " + ", ".join(f"{n}: {sig[n]} != {reference[n]}" for n in wrong[:5]))
+        raise WeightLoadError(422, f"version {version} does not fit the served model: {'; '.join(parts)}")
+
+
 # -- filesystem ---------------------------------------------------------------
 
 
@@ -145,23 +161,7 @@ class FilesystemTransport(LocalVersions):
             raise WeightLoadError(422, f"version {request.version}: {e}") from e
         except OSError as e:
             raise WeightLoadError(422, f"version {request.version}: unreadable weights: {e}") from e
-        missing = sorted(set(self.reference) - set(sig))
-        # tied embeddings: a checkpoint may carry lm_head.weight or not
-        extra = sorted(set(sig) - set(self.reference) - {"lm_head.weight"})
-        wrong = sorted(n for n in set(sig) & set(self.reference) if sig[n] != self.reference[n])
-        if missing or extra or wrong:
-            parts = []
-            if missing:
-                parts.append(f"missing tensors {missing[:5]}")
-            if extra:
-                parts.append(f"unexpected tensors {extra[:5]}")
-            if wrong:
-                parts.append(
-                    "shape mismatch " + ", ".join(f"{n}: {sig[n]} != {self.reference[n]}" for n in wrong[:5])
-                )
-            raise WeightLoadError(
-                422, f"version {request.version} does not fit the served model: {'; '.join(parts)}"
-            )
+        fits(sig, self.reference, request.version)
         return Prepared(request, path, nbytes)
 
     async def apply(self, llm: Any, prepared: Prepared) -> None:
@@ -171,3 +171,54 @@ class FilesystemTransport(LocalVersions):
         # which is why a raw model.load_weights does not work there). Called through
         # tandem's worker extension, which also refreshes a tied LM head (worker_ext).
         await llm.collective_rpc("tandem_reload_weights", kwargs={"weights_path": str(prepared.location)})
+
+
+# -- broadcast ----------------------------------------------------------------
+
+
+class BroadcastTransport:
+    """Weights streamed by the learner (``publish.transport = "broadcast"``), named by a
+    ``broadcast://`` URI: this server's seat in one version's group (``services.weightgroup``).
+
+    ``prepare`` reads the group's manifest from the learner's store without joining and checks it
+    against the served model (engine untouched, like a file's headers); ``apply`` runs while the engine
+    is paused: every vLLM worker joins the group, receives the buckets, compares its digest with the
+    learner's and only then loads the tensors in place (``worker_ext.tandem_receive_weights``). The
+    version's files, written behind the broadcast, stay the way back for a server that misses one.
+    """
+
+    def __init__(self, reference: dict[str, tuple[int, ...]]) -> None:
+        self.reference = reference
+
+    def accepts(self, uri: str) -> bool:
+        return uri.startswith(weightgroup.SCHEME)
+
+    async def prepare(self, request: LoadWeights) -> Prepared:
+        return await watchdog.in_thread(self._prepare, request, name=PREPARE_THREAD)
+
+    def _prepare(self, request: LoadWeights) -> Prepared:
+        try:
+            seat = weightgroup.Invitation.parse(request.uri)
+        except ValueError as e:
+            raise WeightLoadError(422, str(e)) from e
+        try:
+            entries = weightgroup.read_manifest(seat.host, seat.port, timeout_s=seat.timeout_s, name=seat.group)
+        except weightgroup.BroadcastFailed as e:
+            raise WeightLoadError(503, f"version {request.version}: {e}") from e
+        fits(weightgroup.signature(entries), self.reference, request.version)
+        return Prepared(request, seat, sum(e.nbytes for e in entries))
+
+    async def apply(self, llm: Any, prepared: Prepared) -> None:
+        """Receive and load; a :class:`WeightLoadError` (503) when the group failed or the digest differed
+        in some worker before anything was loaded (so no restore is needed: the old weights serve on)."""
+        seat: weightgroup.Invitation = prepared.location
+        why = await llm.collective_rpc("tandem_receive_weights", kwargs={
+            "host": seat.host, "port": seat.port, "rank": seat.rank, "world": seat.world, "group": seat.group,
+            "timeout_s": seat.timeout_s,
+        })
+        failed = [w for w in why if w is not None]
+        if failed and len(failed) < len(why):
+            # some workers loaded, some did not: the tensor-parallel shards disagree; the engine restores
+            raise RuntimeError(f"version {prepared.request.version} reached only some workers: {failed[0]}")
+        if failed:
+            raise WeightLoadError(503, f"version {prepared.request.version} not received: {failed[0]}")

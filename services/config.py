@@ -271,6 +271,17 @@ class PublishConfig(Section):
     ``adapter_config.json``; far fewer bytes: MBs, not the model). The rollout server then starts vLLM with
     LoRA for rank ``learner.lora.r`` and serves each version as an adapter on the base weights
     (``rollout_server.adapters``)."""
+    transport: Literal["files", "broadcast"] = "files"
+    """How a version reaches the rollout servers. ``"files"``: written to the run directory, registered,
+    and re-read by each server. ``"broadcast"``: the learner's rank 0 also streams the tensors in memory
+    to the servers that joined the run's weight group (torch.distributed: gloo on CPU), each server
+    swapping them in as it would a file and checking the learner's digest first (``services.weightgroup``);
+    the files are still written, for resume, export and servers that could not join. Needs a network path
+    from every rollout server to the learner (not across Modal apps: keep ``"files"`` there)."""
+    broadcast_timeout_s: float = Field(default=60.0, gt=0)
+    """With ``transport = "broadcast"``: the longest the learner waits for the servers it announced a
+    version to (to join the group, and for each bucket); past it the broadcast is abandoned, the servers
+    in it are dropped from the group until they join again, and they catch up from the version's files."""
 
 
 class EvalConfig(Section):
@@ -419,6 +430,10 @@ class RunConfig(Section):
             raise ValueError("learner.offload_params needs learner.zero_stage = 3")
         if self.learner.offload_optimizer and self.learner.zero_stage == 0:
             raise ValueError("learner.offload_optimizer needs learner.zero_stage >= 1")
+        if self.publish.transport == "broadcast" and self.learner.lora is not None \
+                and self.publish.lora_format == "adapter":
+            raise ValueError("publish.transport = 'broadcast' streams full weights: use publish.lora_format = "
+                             "'merged' with it, or transport = 'files' for adapters")
         if self.publish.lora_format == "adapter" and self.learner.lora is None:
             raise ValueError("publish.lora_format = 'adapter' needs a [learner.lora] section")
         if self.publish.keep_best and not self.eval.every:

@@ -269,3 +269,15 @@ async def test_reserve_ends_although_the_redis_client_lost_its_cancellation(redi
     task.cancel()
     await asyncio.wait({task}, timeout=60)  # either way it ends: cancelled, or at its 3 s timeout
     assert task.cancelled(), f"reserve kept polling after its task was cancelled: {task.result()}"
+
+
+async def test_a_registry_skips_only_retracted_numbers(redis, keys):
+    """A version broadcast in memory whose learner died before its files is retracted at the resume,
+    never registered: the next publish skips its number, and only such numbers (learner.trainer)."""
+    reg = WeightRegistry(redis, keys)
+    await reg.publish(_wv(1))
+    await reg.retract([2], checkpoint_step=1)
+    with pytest.raises(VersionConflict, match="latest is 1"):
+        await reg.publish(_wv(4))  # 3 was not retracted
+    await reg.publish(_wv(3))
+    assert await reg.latest_version() == 3 and [w.version for w in await reg.history()] == [1, 3]

@@ -97,3 +97,36 @@ def test_files_are_found_in_a_run_directory(tmp_path):
     assert audit_file(run).ok
     with pytest.raises(FileNotFoundError, match="no ledger.jsonl"):
         find_ledger(tmp_path / "nothing")
+
+
+def broadcast_crash_run() -> list[dict]:
+    """publish.transport = broadcast: v2 broadcast and served in memory, the learner died before its files;
+    the resume retracts v2 and publishes v3 (the number 2 is never registered)."""
+    log = [e("queued", "g0", epoch=0, index=0)]
+    log += [e("started", pid=1, step=0, version=0, max_staleness=1, groups_per_step=1, lost_steps=0)]
+    log += [e("generated", "g0", server="r1", version=0, statuses={"ok": 4}), e("trained", "g0", step=1, basis=0,
+                                                                                 version=0)]
+    log += [e("broadcast", version=1, members=["r1"]), e("broadcast_sent", version=1, members=["r1"], digest="d1"),
+            e("received", server="r1", version=1), e("published", version=1, sha256=SHA[1], step=1)]
+    log += [e("broadcast", version=2, members=["r1"]), e("received", server="r1", version=2)]
+    log += [e("started", pid=2, step=1, version=1, max_staleness=1, groups_per_step=1, lost_steps=1)]
+    log += [e("retracted", versions=[2], checkpoint_step=1, lost_steps=1)]
+    log += [e("published", version=3, sha256=SHA[3], step=1)]
+    log += [e("closed", reason="run_finished", ended=0, steps=1)]
+    return log
+
+
+def test_a_broadcast_version_lost_in_a_crash_may_be_skipped_once_retracted():
+    a = audit(broadcast_crash_run())
+    assert a.ok, a.violations
+    assert a.as_dict()["versions"]["retracted"] == [2]
+
+
+@pytest.mark.parametrize("change, expect", [
+    (lambda log: [x for x in log if x["e"] != "retracted"], "version 3 published after 1: not contiguous"),
+    (lambda log: [x for x in log if not (x["e"] == "broadcast" and x["d"]["version"] == 2)],
+     "version 2 retracted but never published"),
+])
+def test_a_skipped_version_must_be_broadcast_and_retracted(change, expect):
+    a = audit(change(broadcast_crash_run()))
+    assert any(expect in v for v in a.violations), a.violations
