@@ -1,6 +1,6 @@
 """`tandem run` with publish.transport = "broadcast": the real stack (Redis, control plane, reward server, vLLM
 rollout server, DeepSpeed learner) on the session's tiny model. Every version reaches the rollout server in
-memory before its files (ledger: broadcast -> received, no file load), the files are written behind the
+memory (ledger: broadcast -> received; none loaded from its files), the files are written behind the
 learner, and the run audits clean."""
 
 from __future__ import annotations
@@ -88,6 +88,6 @@ def test_a_broadcast_run_serves_every_version_from_memory(tmp_path, tiny_model):
     assert [p["broadcast_to"] for p in published] == [1, 1, 1]
     ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
     events = [(e["e"], e["d"]["version"]) for e in ledger if e["e"] in ("broadcast", "received", "loaded", "published")]
-    for v in (1, 2, 3):
-        assert events.index(("broadcast", v)) < events.index(("received", v)) < events.index(("published", v)), events
+    for v in (1, 2, 3):  # the files' registry entry may land before or after the server's swap ('received')
+        assert events.index(("broadcast", v)) < min(events.index(("received", v)), events.index(("published", v))), events
     assert not [e for e in events if e[0] == "loaded"], "a version came from its files"
