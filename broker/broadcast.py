@@ -27,7 +27,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.keys import Keys
-from broker.streams import raise_if_cancelled
+from broker.streams import wait_notified
 
 
 class Announcement(BaseModel):
@@ -92,20 +92,10 @@ class BroadcastBoard:
 
     async def wait_seat(self, server_id: str, after: int, timeout_s: float) -> Announcement | None:
         """The newest announcement of a version above ``after`` that seats ``server_id``, waiting up to
-        ``timeout_s`` (subscribed before the first check, re-checked every second)."""
-        deadline = time.monotonic() + timeout_s
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.weights_broadcast_channel)
-        try:
-            while True:
-                a = await self.latest()
-                if a is not None and a.version > after and server_id in a.seats:
-                    return a
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(1.0, left))
-                raise_if_cancelled()
-        finally:
-            await pubsub.unsubscribe(self.keys.weights_broadcast_channel)
-            await pubsub.aclose()
+        ``timeout_s`` (:func:`~broker.streams.wait_notified`)."""
+
+        async def seated() -> Announcement | None:
+            a = await self.latest()
+            return a if a is not None and a.version > after and server_id in a.seats else None
+
+        return await wait_notified(self.redis, self.keys.weights_broadcast_channel, seated, timeout_s)

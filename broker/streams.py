@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -87,6 +88,31 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+T = TypeVar("T")
+
+
+async def wait_notified(redis: aioredis.Redis, channel: str, check: Callable[[], Awaitable[T | None]],
+                        timeout_s: float) -> T | None:
+    """What ``check()`` returns once it is not None, re-checked on each message on ``channel`` and at least
+    every second (a lost notification costs at most that); None after ``timeout_s``. Subscribed before the
+    first check, so a notification between the check and the wait is not missed."""
+    deadline = time.monotonic() + timeout_s
+    pubsub = redis.pubsub()
+    await pubsub.subscribe(channel)
+    try:
+        while True:
+            if (found := await check()) is not None:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(1.0, left))
+            raise_if_cancelled()
+    finally:
+        await pubsub.unsubscribe(channel)
+        await pubsub.aclose()
 
 
 class _Reconnect(Retry):

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.keys import Keys
 from broker.ledger import LUA as LEDGER_LUA
 from broker.ledger import detail as ledger_detail
-from broker.streams import raise_if_cancelled
+from broker.streams import wait_notified
 
 
 class WeightVersion(BaseModel):
@@ -133,28 +133,15 @@ class WeightRegistry:
             await self.redis.hdel(self.keys.weights_history, *[str(v) for v in versions])
 
     async def wait_newer(self, version: int, timeout_s: float) -> WeightVersion | None:
-        """The latest version if it is newer than ``version``, waiting up to ``timeout_s``.
+        """The latest version if it is newer than ``version``, waiting up to ``timeout_s``
+        (:func:`~broker.streams.wait_notified`: a publish between the check and the wait is not missed,
+        a lost notification costs at most a second)."""
 
-        Subscribes before checking, so a publish between the check and the
-        wait is not missed; re-checks ``latest`` every second in case a
-        notification was lost.
-        """
-        deadline = time.monotonic() + timeout_s
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.keys.weights_channel)
-        try:
-            while True:
-                latest = await self.latest()
-                if latest is not None and latest.version > version:
-                    return latest
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=min(1.0, left))
-                raise_if_cancelled()
-        finally:
-            await pubsub.unsubscribe(self.keys.weights_channel)
-            await pubsub.aclose()
+        async def newer() -> WeightVersion | None:
+            latest = await self.latest()
+            return latest if latest is not None and latest.version > version else None
+
+        return await wait_notified(self.redis, self.keys.weights_channel, newer, timeout_s)
 
     async def report_in_use(self, server_id: str, version: int) -> None:
         """A rollout server says it serves ``version`` (call it as a heartbeat)."""
