@@ -110,37 +110,13 @@ def remote_tool(wait_s: float = REMOTE_S):
 def train_scripts(base: Path, out: Path, steps: int = TRAIN_STEPS, seed: int = 0) -> Path:
     """``base`` (a tiny Qwen3 with the char tokenizer) taught :data:`SCRIPTS` by supervised steps; saved
     whole (config, tokenizer, safetensors) to ``out``. Raises when the scripts are not learnt."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from examples.tiny import teach
 
-    tok = AutoTokenizer.from_pretrained(base)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 0.1M-parameter model: more threads only contend
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        rows = [(tok.encode(p), tok.encode(script_text(p), add_special_tokens=False) + [tok.eos_token_id])
-                for p in SCRIPTS]
-        width = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (p, c) in enumerate(rows):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p): len(p) + len(c)] = torch.tensor(c)
-            attention[i, : len(p) + len(c)] = 1
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for _ in range(steps):
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        if loss.item() > 0.05:
-            raise RuntimeError(f"the scripts were not learnt (loss {loss.item():.3f} after {steps} steps)")
-        model.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-    finally:
-        torch.set_num_threads(threads)
+    model, tok, loss = teach(base, [(p, script_text(p)) for p in SCRIPTS], steps, seed=seed)
+    if loss > 0.05:
+        raise RuntimeError(f"the scripts were not learnt (loss {loss:.3f} after {steps} steps)")
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
     return out
 
 

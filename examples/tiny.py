@@ -102,6 +102,40 @@ def tiny_qwen3(
     return out
 
 
+def teach(base: str | Path, pairs: list[tuple[str, str]], steps: int, *, lr: float = 3e-3, seed: int = 0):
+    """``base`` (a tiny model and its tokenizer) after ``steps`` full-batch supervised steps on the
+    (prompt, completion) ``pairs``: the loss on each completion and its end of sequence only. Returns
+    ``(model, tokenizer, final loss)``; saving is the caller's. Runs on one thread (a model this small only
+    contends with more)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        rows = [(tok.encode(p), tok.encode(c, add_special_tokens=False) + [tok.eos_token_id]) for p, c in pairs]
+        width = max(len(p) + len(c) for p, c in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        labels = torch.full((len(rows), width), -100)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (p, c) in enumerate(rows):
+            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
+            attention[i, : len(p) + len(c)] = 1
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(threads)
+    return model, tok, loss.item()
+
+
 def parameter_count(model_dir: str | Path) -> int:
     """Parameters stored in a model directory's safetensors files."""
     from safetensors import safe_open

@@ -40,35 +40,12 @@ STEPS = 200
 def tool_weights(tiny_model, tmp_path_factory) -> Path:
     """The tiny model after a short supervised run on ``SCRIPTS`` (prompt -> call, observation, answer,
     end of sequence), as a weight version directory (safetensors only, the learner's layout)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from examples.tiny import teach
 
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 0.1M-parameter model: more threads only contend on a loaded machine
-    try:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
-        rows = [(tok.encode(p), tok.encode(c, add_special_tokens=False) + [tok.eos_token_id]) for p, c in SCRIPTS.items()]
-        width = max(len(p) + len(c) for p, c in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id)
-        labels = torch.full((len(rows), width), -100)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (p, c) in enumerate(rows):
-            ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p) : len(p) + len(c)] = torch.tensor(c)
-            attention[i, : len(p) + len(c)] = 1
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        for _ in range(STEPS):
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        assert loss.item() < 0.02, f"the scripts were not learnt (loss {loss.item():.3f})"
-        full = tmp_path_factory.mktemp("tool-model")
-        model.save_pretrained(full, safe_serialization=True)
-    finally:
-        torch.set_num_threads(threads)
+    model, _tok, loss = teach(tiny_model, list(SCRIPTS.items()), STEPS)
+    assert loss < 0.02, f"the scripts were not learnt (loss {loss:.3f})"
+    full = tmp_path_factory.mktemp("tool-model")
+    model.save_pretrained(full, safe_serialization=True)
     out = tmp_path_factory.mktemp("tool-weights")
     for f in full.glob("*.safetensors"):
         shutil.copy(f, out / f.name)
