@@ -275,8 +275,11 @@ async def test_version_tags_are_true_under_reloads_during_generation(rollout_ser
         req1, req2 = weight_versions.make(seed=104), weight_versions.make(seed=105)
 
         # each reload waits for a batch to finish, then lands while the next batch is generating: timed
-        # from the test's start, both reloads could land before a loaded machine had generated anything
-        done = [asyncio.Event() for _ in range(6)]
+        # from the test's start, both reloads could land before a loaded machine had generated anything;
+        # and batches go on until one has started after both reloads answered (CI saw a loaded machine
+        # finish six batches before the first reload landed)
+        done = [asyncio.Event() for _ in range(2)]
+        landed = asyncio.Event()
 
         async def reload_during(req, batch):
             await done[batch].wait()
@@ -285,15 +288,24 @@ async def test_version_tags_are_true_under_reloads_during_generation(rollout_ser
             assert r.status_code == 200, r.text
             return r.json()["version"]
 
+        async def reloads():
+            versions = await asyncio.gather(reload_during(req1, 0), reload_during(req2, 1))
+            landed.set()
+            return versions
+
         async def stream_of_requests():
             outs = []
-            for i in range(6):
+            for i in range(60):
+                after_both = landed.is_set()
                 batch = await asyncio.gather(*[_generate(c, **body) for _ in range(4)])
                 outs += batch
-                done[i].set()
+                if i < len(done):
+                    done[i].set()
+                if after_both:
+                    break
             return outs
 
-        outs, v1, v2 = await asyncio.gather(stream_of_requests(), reload_during(req1, 0), reload_during(req2, 1))
+        outs, (v1, v2) = await asyncio.gather(stream_of_requests(), reloads())
     assert first < v1 < v2
     seen = set()
     for out in outs:
