@@ -41,7 +41,8 @@ from tests.fixtures.reward import REWARD_TOKEN
 WRONG = {"Authorization": "Bearer not-the-token-of-this-service"}
 
 EXAMPLES = 40
-"""Examples per operation and generation mode with a token (fewer without one: every answer is 401)."""
+"""Examples per operation and generation mode with a token (fewer without one: every answer is 401) in
+``make test``; ``make test-fast`` (which deselects ``slow``) sends a quarter of them (fixture ``examples``)."""
 SLOW = {"POST /v1/execute": 15, "POST /v1/score": 25}
 """Operations that run code in the sandbox get fewer."""
 
@@ -54,6 +55,13 @@ OUTSIDE_SCHEMA = {
 @pytest.fixture
 def control_url(control_process) -> str:
     return control_process()
+
+
+@pytest.fixture
+def examples(request) -> int:
+    """:data:`EXAMPLES`, or a quarter of it in a run that deselects ``slow`` tests (``make test-fast``, which
+    has 3 minutes for everything: the whole count took a third of its wall time there)."""
+    return EXAMPLES // 4 if "not slow" in request.config.getoption("markexpr") else EXAMPLES
 
 
 def schema_of(url: str, token: str):
@@ -135,10 +143,10 @@ def check_outside_schema(url: str, paths: list[str]) -> None:
     assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
 
 
-def test_control_plane_fuzz(control_url):
+def test_control_plane_fuzz(control_url, examples):
     schema = schema_of(control_url, TOKEN)
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    fuzzed = fuzz(schema, control_url, auth, server_error, EXAMPLES)
+    fuzzed = fuzz(schema, control_url, auth, server_error, examples)
     assert len(fuzzed) >= 7 and "POST /v1/prompt-sets" in fuzzed and "POST /v1/runs" in fuzzed, fuzzed
     # again where the ids exist: the routes get past their lookups (a set's meta and delete, status, metrics, stop)
     body = "".join(json.dumps(x) + "\n" for x in ARITH_LINES)
@@ -146,19 +154,19 @@ def test_control_plane_fuzz(control_url):
     run = httpx.post(f"{control_url}/v1/runs", json={"prompt_set_id": set_id, "config": run_config()}, headers=auth)
     assert run.status_code == 201, run.text
     known = {"set_id": set_id, "run_id": run.json()["run_id"]}
-    assert len(fuzz(schema, control_url, auth, server_error, EXAMPLES, known)) == 5
+    assert len(fuzz(schema, control_url, auth, server_error, examples, known)) == 5
     for headers in ({}, WRONG):
-        fuzz(schema, control_url, headers, not_401, EXAMPLES // 4)
+        fuzz(schema, control_url, headers, not_401, max(2, examples // 4))
     check_outside_schema(control_url, OUTSIDE_SCHEMA["control"])
 
 
-def test_reward_server_fuzz(reward_servers):
+def test_reward_server_fuzz(reward_servers, examples):
     server = reward_servers["bwrap"]
     schema = schema_of(server.url, REWARD_TOKEN)
-    fuzzed = fuzz(schema, server.url, server.headers, server_error, EXAMPLES)
+    fuzzed = fuzz(schema, server.url, server.headers, server_error, examples)
     assert set(fuzzed) >= {"POST /v1/score", "POST /v1/execute"}, fuzzed
     for headers in ({}, WRONG):
-        fuzz(schema, server.url, headers, not_401, EXAMPLES // 4)
+        fuzz(schema, server.url, headers, not_401, max(2, examples // 4))
     check_outside_schema(server.url, OUTSIDE_SCHEMA["reward"])
 
 
@@ -189,13 +197,13 @@ BODY = st.lists(SPEC_LINE, min_size=1, max_size=4) | st.lists(SPEC_LINE | JUNK_L
 """Bodies of spec lines, half of them with junk lines among them."""
 
 
-def test_prompt_set_bodies_fuzz(control_url):
+def test_prompt_set_bodies_fuzz(control_url, examples):
     """Prompt-set bodies from near-valid JSON lines (every spec type, wrong values, non-JSON, raw
     bytes): 201 with every line stored, or 422 naming lines that exist; never anything else."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=control_url, headers=auth, timeout=60) as client:
 
-        @settings(max_examples=4 * EXAMPLES, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=4 * examples, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
         @given(lines=BODY, default=st.sampled_from(sorted(set(VALID) - {"combined"})))
         def one(lines: list[bytes], default: str) -> None:
