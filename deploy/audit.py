@@ -23,7 +23,9 @@ The checks, each a violation when it fails:
   and not loaded after it was retracted.
 
 Reported as well: groups by outcome and drop reason, learner (re)starts,
-steps lost to crashes, retracted versions, the largest lag. Light module (no
+steps lost to crashes, retracted versions, the largest lag, and the trained
+groups that were multi-turn episodes (docs/episodes.md) with their model
+turns and tool calls (from their ``generated`` entries). Light module (no
 Redis client needed to audit a file).
 """
 
@@ -37,6 +39,8 @@ from broker.admission import lag
 from broker.ledger import LEDGER_FILE, read_file
 
 TERMINAL = ("trained", "dropped")
+EPISODE_FIELDS = ("turns", "tool_calls", "tool_errors")
+"""What a ``generated`` entry of an episode group sums over its samples (``rollout_server.actor``)."""
 MAX_LISTED = 20
 
 
@@ -63,6 +67,9 @@ class Audit:
     loads_checked: int = 0
     max_lag: int | None = None
     max_staleness: int | None = None
+    episodes: Counter[str] = field(default_factory=Counter)
+    """Over the trained groups that were episodes: ``groups``, and their samples' ``turns``, ``tool_calls``
+    and ``tool_errors`` (summed)."""
 
     @property
     def ok(self) -> bool:
@@ -83,6 +90,7 @@ class Audit:
             "versions": {"published": len(self.published), "last": self.published[-1] if self.published else None,
                          "retracted": self.retracted, "loads_checked": self.loads_checked},
             "max_lag": self.max_lag, "max_staleness": self.max_staleness,
+            "episodes": {k: self.episodes[k] for k in ("groups", *EPISODE_FIELDS)},
         }
 
 
@@ -114,6 +122,7 @@ def audit(entries: list[dict]) -> Audit:
             if kind == "trained":
                 _check_trained(a, gid, d, generated.get(gid), eta, retracted)
                 per_step[d["step"]] += 1
+                _count_episodes(a, generated.get(gid))
         elif kind == "broadcast":  # announced: a server may hold it in memory before its files are published
             announced.add(d["version"])
         elif kind == "published":
@@ -177,6 +186,12 @@ def audit(entries: list[dict]) -> Audit:
         if untrained:
             a.violate(f"the run finished {finished_steps} steps, but these trained no group: {_ranges(untrained)}")
     return a
+
+
+def _count_episodes(a: Audit, gen: dict | None) -> None:
+    if gen is not None and "turns" in gen:
+        a.episodes["groups"] += 1
+        a.episodes.update({k: gen.get(k, 0) for k in EPISODE_FIELDS})
 
 
 def _ranges(steps: list[int]) -> str:

@@ -546,6 +546,9 @@ def _print_audit(r: dict) -> None:
         f"versions: {v['published']} published (last {v['last']}), retracted {v['retracted'] or 'none'}, "
         f"{v['loads_checked']} loads checked against their sha256",
     ]
+    if (ep := r.get("episodes", {})).get("groups"):
+        lines.append(f"episodes: {ep['groups']} trained groups were episodes, {ep['turns']} model turns, "
+                     f"{ep['tool_calls']} tool calls ({ep['tool_errors']} answered with an error)")
     for line in lines:
         typer.echo(line)
     for line in r["first_violations"]:

@@ -35,7 +35,9 @@ One group, start to end:
 
 The ledger (``broker.ledger``) also gets ``admitted`` when a prompt is taken
 under a ticket and ``loaded`` when a version is loaded (with its checked
-sha256).
+sha256), or ``received`` when it came by broadcast: written by the swap's own
+task (``RolloutEngine.load_weights``' ``record``), so a server never serves a
+version its ledger record is missing for, even when the run ends at the swap.
 
 Up to ``actor_concurrency`` groups run at once, so vLLM batches them.
 
@@ -76,6 +78,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -257,13 +260,12 @@ class Actor:
                     continue
                 try:
                     with self.timeline.span("broadcast", "weights", version=a.version):
-                        await self.engine.load_weights(wire.LoadWeights(version=a.version, uri=seat.uri))
+                        await self.engine.load_weights(wire.LoadWeights(version=a.version, uri=seat.uri),
+                                                       record=self._recorder("received", a.version))
                 except WeightLoadError as e:
                     log.error("broadcast of version %d not received (%s); its files will follow", a.version,
                               e.message)
                     continue
-                await self.ledger.append("received", server=self.server_id, version=a.version)
-                await self.registry.report_in_use(self.server_id, self.engine.version)
                 await self._evaluate_if_due()
 
     async def _catch_up(self) -> None:
@@ -306,15 +308,23 @@ class Actor:
             return False  # withdrawn by a resumed learner; it publishes the weights it holds next
         try:
             with self.timeline.span("reload", "weights", version=wv.version):
-                await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
+                await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256),
+                                               record=self._recorder("loaded", wv.version, sha256=wv.sha256))
         except WeightLoadError as e:
             self._failed_load = (wv.version, time.monotonic())
             log.error("cannot load published version %d: %s", wv.version, e.message)
             return False
         self._failed_load = None
-        await self.ledger.append("loaded", server=self.server_id, version=wv.version, sha256=wv.sha256)
-        await self.registry.report_in_use(self.server_id, self.engine.version)
         return True
+
+    def _recorder(self, event: str, version: int, **fields) -> Callable[[], Awaitable[None]]:
+        """What the engine awaits right after it swaps ``version`` in (``RolloutEngine.load_weights``'s
+        ``record``): the ledger's ``loaded`` / ``received`` entry and the registry's in-use report. Run by the
+        swap's own task, so the actor being cancelled at the swap (its run ended) cannot split them from it."""
+        async def record() -> None:
+            await self.ledger.append(event, server=self.server_id, version=version, **fields)
+            await self.registry.report_in_use(self.server_id, version)
+        return record
 
     # -- held-out evaluation --------------------------------------------------
 
@@ -514,6 +524,9 @@ class Actor:
         statuses: dict[str, int] = {}
         for smp in samples:
             statuses[smp.status] = statuses.get(smp.status, 0) + 1
+        # an episode group's ledger entry records its episodes (tandem audit counts them)
+        episodes = {"turns": sum(smp.turns for smp in samples), "tool_calls": sum(smp.tool_calls for smp in samples),
+                    "tool_errors": sum(smp.tool_errors for smp in samples)} if isinstance(gen, EpisodeGeneration) else {}
         with self.timeline.span("handoff", "groups", group=pg.group_id, version=traj.policy_version):
             handed = await self.prompts.handoff(
                 delivery,
@@ -521,7 +534,7 @@ class Actor:
                 Envelope(pg.group_id, traj.policy_version, wire.encode(traj)),
                 ticket.token,
                 server=self.server_id, version=traj.policy_version, statuses=statuses,
-                reward_mean=sum(smp.reward for smp in samples) / len(samples),
+                reward_mean=sum(smp.reward for smp in samples) / len(samples), **episodes,
             )
         if handed is None:
             log.warning("group %s was handed off or ended elsewhere meanwhile; this copy is discarded", pg.group_id)

@@ -50,6 +50,18 @@ def test_a_clean_run_with_a_crash_passes():
     assert r["generated_by"] == {"r1": 7}
 
 
+def test_trained_episode_groups_are_counted_from_their_generated_entries():
+    """An episode group's ``generated`` entry carries its samples' turns and tool calls (rollout_server.actor);
+    the audit sums them over the trained groups only, and a single-turn run reports none."""
+    ep = {"g4": (6, 2, 0), "g5": (7, 3, 1), "g6": (4, 0, 0)}  # g4 was dropped (retracted): not counted
+    log = [e("generated", x["g"], **x["d"], **dict(zip(("turns", "tool_calls", "tool_errors"), ep[x["g"]], strict=True)))
+           if x["e"] == "generated" and x["g"] in ep else x for x in clean_run()]
+    a = audit(log)
+    assert a.ok, a.violations
+    assert a.as_dict()["episodes"] == {"groups": 2, "turns": 11, "tool_calls": 3, "tool_errors": 1}
+    assert audit(clean_run()).as_dict()["episodes"] == {"groups": 0, "turns": 0, "tool_calls": 0, "tool_errors": 0}
+
+
 @pytest.mark.parametrize("change, expect", [
     (lambda log: log + [e("trained", "g5", step=3, basis=4, version=1)], "g5 trained 2 times"),
     (lambda log: [x for x in log if x["g"] != "g7" or x["e"] != "dropped"], "1 queued groups never ended (lost)"),
