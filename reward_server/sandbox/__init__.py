@@ -26,9 +26,9 @@ def choose(settings: RewardSettings) -> tuple[Sandbox | None, str]:
     """The sandbox the settings ask for, or (None, why not). Probes the host; call once at start-up."""
     reasons = []
     if settings.sandbox in ("auto", "gvisor"):
-        from reward_server.sandbox.gvisor import GVisorSandbox, runsc_works
+        from reward_server.sandbox.gvisor import GVisorSandbox, cgroups_why_not, runsc_works
 
-        why = runsc_works(settings.runsc)
+        why = runsc_works(settings.runsc, cgroups=cgroups_why_not(settings.cgroups) is None)
         if why is None:
             sandbox = GVisorSandbox(workers=settings.effective_workers, max_jobs=settings.max_jobs_per_sandbox,
                                     runsc=settings.runsc, python=settings.sandbox_python,

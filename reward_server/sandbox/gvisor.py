@@ -127,13 +127,29 @@ def make_bundle(directory: Path, python: str = "/usr/bin/python3", tmp_mb: int =
     return directory, layout.python
 
 
-def runsc_works(runsc: str = "runsc") -> str | None:
-    """None if ``runsc`` can start a sandbox here, else why not."""
+def cgroups_why_not(cgroups: bool = True) -> str | None:
+    """None when each sandbox can get a host cgroup of its own, else why not."""
+    if not cgroups:
+        return "off"
+    return cgroups_usable() if os.geteuid() == 0 else "not root"
+
+
+def runsc_flags(cgroups: bool) -> list[str]:
+    """runsc's global flags: no network, and no cgroups of its own where tandem makes none.
+
+    In a container (docker compose) /sys/fs/cgroup is read-only, and runsc fails unless told
+    to leave cgroups alone: "cannot set up cgroup for root: configuring cgroup: mkdir
+    /sys/fs/cgroup/blkio/...: read-only file system"."""
+    return ["--network=none"] + ([] if cgroups else ["--ignore-cgroups"])
+
+
+def runsc_works(runsc: str = "runsc", *, cgroups: bool = True) -> str | None:
+    """None if ``runsc`` can start a sandbox here (with cgroups when ``cgroups``), else why not."""
     path = shutil.which(runsc)
     if path is None:
         return f"{runsc} not found"
     try:
-        done = subprocess.run([path, "--network=none", "do", "true"], capture_output=True, timeout=60, check=False)
+        done = subprocess.run([path, *runsc_flags(cgroups), "do", "true"], capture_output=True, timeout=60, check=False)
     except subprocess.TimeoutExpired:
         return "runsc do timed out"
     if done.returncode != 0:
@@ -150,6 +166,7 @@ class _Container:
         self.proc: asyncio.subprocess.Process | None = None
         self.jobs = 0
         self.cgroup: Cgroup | None = None
+        self.limits = limits
         self.bundle = bundle
         if limits is not None:  # a bundle of its own: the shared root, this sandbox's cgroup
             made = Cgroup.create(Cgroup.unique_name("tandem-gvisor"), limits)
@@ -166,7 +183,8 @@ class _Container:
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
-            self.runsc, "--root", str(self.state), "--network=none", "run", "--bundle", str(self.bundle), self.id,
+            self.runsc, "--root", str(self.state), *runsc_flags(self.limits is not None), "run", "--bundle", str(self.bundle),
+            self.id,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True, limit=1 << 20,
         )
@@ -270,7 +288,7 @@ class GVisorSandbox(Sandbox):
         self._state.mkdir()
         self._bundle, self.python = make_bundle(self._dir / "bundle", python, tmp_mb)
         self._containers: set[_Container] = set()
-        why = cgroups_usable() if cgroups and os.geteuid() == 0 else "off" if not cgroups else "not root"
+        why = cgroups_why_not(cgroups)
         self.limits = None if why else CgroupLimits((max_memory_mb + tmp_mb + SENTRY_OVERHEAD_MB) << 20,
                                                     HOST_THREADS, cpus)
         if why:
