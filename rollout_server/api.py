@@ -21,6 +21,7 @@ Without Redis there is no registry and the route answers 409.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -198,9 +199,10 @@ async def load_weights(body: LoadWeights, request: Request) -> WeightsStatus:
         raise ServiceError(403, f"sha256: {body.sha256} is not the checksum version {body.version} of run "
                                 f"{run_id} was published with")
     try:
-        status = await engine.load_weights(LoadWeights(version=body.version, uri=str(path), sha256=body.sha256))
-        await _record_loaded(settings, run_id, body.version, body.sha256)
-        return status
+        # recorded by the swap's own task: a request cancelled at the swap (the client gone) still leaves its record
+        return await engine.load_weights(LoadWeights(version=body.version, uri=str(path), sha256=body.sha256),
+                                         record=functools.partial(_record_loaded, settings, run_id, body.version,
+                                                                  body.sha256))
     except WeightLoadError as e:
         raise ServiceError(e.status, e.message) from e
     except EngineDead as e:

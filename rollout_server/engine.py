@@ -64,7 +64,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -565,18 +565,24 @@ class RolloutEngine:
                 return t
         raise WeightLoadError(422, f"no weight transport for {uri!r}")
 
-    async def load_weights(self, request: LoadWeights) -> WeightsStatus:
+    async def load_weights(self, request: LoadWeights, *,
+                           record: Callable[[], Awaitable[None]] | None = None) -> WeightsStatus:
         """Load ``request.version`` in place; a no-op when it is not newer than the loaded one.
 
         Raises :class:`WeightLoadError` (engine untouched, old weights serving)
         for a missing or corrupt version. A caller cancelled half way does not
         stop the reload (:func:`_to_the_end`).
+
+        ``record`` (the caller's ledger entry for the version: the actor's ``loaded`` or ``received``) is
+        awaited right after the swap, only when this call swapped the version in, in the same task and under
+        the same reload lock: a cancellation cannot leave the engine serving a version that its record says
+        it never got (the last version of a run used to, its actor cancelled between the two).
         """
         if request.version <= self.version:
             return self.status()
-        return await _to_the_end(self._load(request), f"reload of version {request.version}")
+        return await _to_the_end(self._load(request, record), f"reload of version {request.version}")
 
-    async def _load(self, request: LoadWeights) -> WeightsStatus:
+    async def _load(self, request: LoadWeights, record: Callable[[], Awaitable[None]] | None = None) -> WeightsStatus:
         async with self._reload_lock:
             if request.version <= self.version:  # another caller loaded it meanwhile
                 return self.status()
@@ -599,6 +605,8 @@ class RolloutEngine:
                 "loaded weight version %d from %s in %.3fs (%.1f MB)",
                 request.version, request.uri, self.reload_s, prepared.bytes / 1e6,
             )
+            if record is not None:
+                await record()
             return self.status()
 
     def _reload_volume(self) -> None:
