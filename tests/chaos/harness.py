@@ -1,7 +1,9 @@
-"""Fault injection on a real ``tandem up`` stack training the example task.
+"""Fault injection on a real ``tandem up`` stack training an example task.
 
 :func:`run_chaos` starts ``tandem up`` (embedded Redis, reward, control,
-rollout with vLLM, learner with DeepSpeed) on the bootstrapped arith model,
+rollout with vLLM, learner with DeepSpeed) on an example's bootstrapped model
+(``examples/arith``, or ``examples/tool_arith``, whose lines are multi-turn
+episodes with the calculator tool: docs/episodes.md),
 measures held-out accuracy, submits the run with ``tandem submit``, and
 injects each :class:`Fault` when the run reaches its step: ``kill`` sends
 SIGKILL to the service's main process (the supervisor restarts it; Redis
@@ -16,7 +18,10 @@ its steps; ``tandem audit`` passes (every group accounted for once, none
 trained twice, staleness within eta, versions contiguous and loaded as
 published); held-out accuracy rose; and after ``tandem up`` is stopped no
 process of any service's process group is alive and the stack's own
-``TMPDIR`` (sandbox state, scratch files) is empty; open file descriptors
+``TMPDIR`` (sandbox state, scratch files) is empty. It also keeps what shows
+that episodes were trained: the audit's ``episodes`` (the trained groups whose
+ledger entry records turns and tool calls) and the means over the learner's
+steps of its episode figures (as summary.json's ``episodes``). Open file descriptors
 of each service are counted before the run, once the last fault is
 recovered from, and at the end (they must not grow after the middle count:
 connection pools reach their size while the run warms up).
@@ -35,10 +40,14 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from broker.ledger import read_file
 from broker.processes import die_with_parent, group_members
+from deploy.audit import find_ledger
+from deploy.main_job import EPISODE_MEANS
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config
@@ -96,6 +105,15 @@ class Report:
     leftover_processes: list[int] = field(default_factory=list)
     leftover_tmp: list[str] = field(default_factory=list)
     up_exit: int | None = None
+    train_points: int = 0
+    """The learner's per-step metric points (one per step trained, a step done again after a crash twice)."""
+    episode_points: int = 0
+    """... of which carried episode figures (``learner.trainer.episode_means``: the step trained episodes)."""
+    episodes: dict[str, float | None] = field(default_factory=dict)
+    """Their means over those points: ``episode_turns_mean``, ``tool_calls_mean``, ``tool_success_frac``."""
+    readmitted: int = 0
+    """Groups the ledger shows admitted more than once: in flight on a rollout server that died (or past
+    their lease), and generated again."""
 
     def table(self) -> str:
         """The reliability table of docs/reliability.md, one row per fault."""
@@ -107,14 +125,16 @@ class Report:
         return "\n".join(rows)
 
 
-def write_config(tmp: Path, model: Path, steps: int, *, faults: bool = True) -> Path:
-    """The example's run.toml on ``model`` with ``steps`` steps and eta = :data:`ETA`; with ``faults``, a
-    checkpoint every 5 steps and leases of :data:`LEASE_S` as well (``tests/e2e`` uses the example's)."""
-    raw = tomllib.loads((ROOT / "examples/arith/run.toml").read_text())
-    text = (ROOT / "examples/arith/run.toml").read_text()
+def write_config(tmp: Path, model: Path, steps: int, *, faults: bool = True, example: str = "arith") -> Path:
+    """``examples/<example>/run.toml`` on ``model`` with ``steps`` steps and eta = :data:`ETA`; with
+    ``faults``, a checkpoint every 5 steps and leases of :data:`LEASE_S` as well (``tests/e2e`` uses the
+    example's)."""
+    here = ROOT / "examples" / example
+    text = (here / "run.toml").read_text()
+    raw = tomllib.loads(text)
     text = text.replace(raw["model"]["path"], str(model))
-    text = text.replace('train = "train.jsonl"', f'train = "{ROOT / "examples/arith/train.jsonl"}"')
-    text = text.replace('eval = "eval.jsonl"', f'eval = "{ROOT / "examples/arith/eval.jsonl"}"')
+    text = text.replace('train = "train.jsonl"', f'train = "{here / "train.jsonl"}"')
+    text = text.replace('eval = "eval.jsonl"', f'eval = "{here / "eval.jsonl"}"')
     text = text.replace(f"steps = {raw['learner']['steps']}", f"steps = {steps}")
     staleness = f"max_staleness = {ETA}"
     if faults:
@@ -264,6 +284,11 @@ class ChaosStack:
             if (await r.weights()).version < wv.version:
                 await r.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256))
 
+    async def train_points(self, run_id: str) -> list[wire.MetricPoint]:
+        """The learner's per-step points of the run's metrics."""
+        async with ControlClient(self.urls["control"], self.token) as c:
+            return [p for p in await c.metrics(run_id) if p.source == "learner"]
+
     def service_fds(self) -> dict[str, int]:
         return {name: _fds(pid) for name, pid in self.info()["services"].items()}
 
@@ -277,11 +302,12 @@ class ChaosStack:
                 self.up.wait()
 
 
-def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env: dict[str, str] | None = None) -> Report:
-    """Train ``steps`` steps of the example under ``tandem up`` (``stack_env``: its ``TANDEM_STACK_*``
-    settings) while ``faults`` hit it, in order."""
+def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env: dict[str, str] | None = None,
+              example: str = "arith") -> Report:
+    """Train ``steps`` steps of ``examples/<example>`` under ``tandem up`` (``stack_env``: its
+    ``TANDEM_STACK_*`` settings) while ``faults`` hit it, in order."""
     started = time.monotonic()
-    stack = ChaosStack(tmp, write_config(tmp, model, steps), stack_env)
+    stack = ChaosStack(tmp, write_config(tmp, model, steps, example=example), stack_env)
     report = Report(steps=steps)
     stack.start()
     try:
@@ -294,6 +320,11 @@ def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env
         final = asyncio.run(stack.wait(run_id, lambda s: s.run.state in TERMINAL_STATES, 1800, "the run's end"))
         report.final_state = final.run.state
         report.fds_after = {k: v for k, v in stack.service_fds().items() if mid.get(k) == stack.pid(k)}
+        points = asyncio.run(stack.train_points(run_id))
+        report.train_points = len(points)
+        report.episode_points = sum("episode_turns_mean" in p.values for p in points)
+        report.episodes = {name: (sum(xs) / len(xs) if xs else None) for name in EPISODE_MEANS
+                           for xs in [[p.values[name] for p in points if name in p.values]]}
         if final.run.state == "finished":
             asyncio.run(stack.serve_final(run_id))
             report.accuracy_after = asyncio.run(stack.eval_accuracy())
@@ -301,6 +332,9 @@ def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env
                                  env=stack.env, capture_output=True, text=True, timeout=120)
         report.audit_exit = audited.returncode
         report.audit = json.loads(audited.stdout) if audited.stdout.strip().startswith("{") else {"error": audited.stderr}
+        with contextlib.suppress(FileNotFoundError):  # no ledger exported: the run did not finish (checked)
+            admitted = Counter(e["g"] for e in read_file(find_ledger(stack.dir)) if e["e"] == "admitted")
+            report.readmitted = sum(n > 1 for n in admitted.values())
     finally:
         report.up_exit = stack.stop()
         report.leftover_processes = [pid for pgid in sorted(stack.pgids) for pid in group_members(pgid)]
