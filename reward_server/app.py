@@ -1,4 +1,4 @@
-"""The reward server's HTTP API: ``POST /v1/score``, ``POST /v1/execute`` and ``POST /v1/check``.
+"""The reward server's HTTP API: ``POST /v1/score``, ``POST /v1/execute``, ``POST /v1/check``, ``GET /v1/sandbox``.
 
 Rollout servers call ``/v1/score`` with the G completions of a group; anyone
 may call ``/v1/execute`` to run a program in the sandbox; the control plane
@@ -7,7 +7,7 @@ be called (``reward_server.verifiers.functions``). Both go through the
 bounded execution queue (429 + Retry-After when full). Without a usable
 sandbox, code execution is refused (503 on ``/v1/execute``,
 ``sandbox_error`` items in ``/v1/score``) unless ``unsafe_local`` is set;
-the choice is logged at start-up. Client-supplied limits above the server's
+the choice is logged at start-up and ``GET /v1/sandbox`` names it. Client-supplied limits above the server's
 ceilings (``max_*`` settings) are refused with 422 naming the field.
 """
 
@@ -61,6 +61,14 @@ async def check(body: CheckFunctions, request: Request) -> FunctionsChecked:
     refused = await functions.check(body.functions)
     known = functions.signatures()
     return FunctionsChecked(allowed={f: known[f] for f in body.functions if f not in refused}, refused=refused)
+
+
+@router.get("/v1/sandbox")
+async def sandbox(request: Request) -> dict:
+    """Where code runs: the sandbox chosen at start-up, or why there is none (as logged then)."""
+    queue = _scorer(request).queue
+    return {"sandbox": request.app.state.sandbox_description,
+            "isolated": queue.sandbox is not None and queue.sandbox.isolated}
 
 
 @router.post("/v1/execute", response_model=ExecuteResult)

@@ -54,6 +54,8 @@ async def test_auto_picks_gvisor_when_runsc_works(reward_app):
     async with reward_app(sandbox="auto", workers=1) as (app, client):
         assert app.state.sandbox_description.startswith("gVisor (runsc)"), app.state.sandbox_description
         assert (await _runs_code(client))["stdout"] == "42\n"
+        named = (await client.get("/v1/sandbox")).json()
+        assert named == {"sandbox": app.state.sandbox_description, "isolated": True}, named
 
 
 async def test_auto_falls_back_to_bubblewrap_without_runsc(reward_app, path_without):
@@ -70,6 +72,8 @@ async def test_auto_refuses_code_without_runsc_and_bwrap(reward_app, path_withou
         refused = await client.post("/v1/execute", json=CODE)
         assert refused.status_code == 503, refused.text
         assert "unsafe_local" in refused.json()["detail"]
+        assert (await client.get("/v1/sandbox")).json() == {"sandbox": app.state.sandbox_description,
+                                                              "isolated": False}
 
 
 async def test_auto_runs_code_on_the_host_only_with_unsafe_local(reward_app, path_without):
@@ -78,3 +82,4 @@ async def test_auto_runs_code_on_the_host_only_with_unsafe_local(reward_app, pat
         assert app.state.sandbox_description == (
             "UNSAFE local execution without isolation (gvisor: runsc not found; bwrap: bwrap not found)")
         assert (await _runs_code(client))["stdout"] == "42\n"
+        assert (await client.get("/v1/sandbox")).json()["isolated"] is False
