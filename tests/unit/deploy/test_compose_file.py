@@ -13,6 +13,7 @@ gets no runs volume and no Redis. The Redis config the file holds is fed to a re
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 import shlex
 import shutil
@@ -196,8 +197,39 @@ def test_service_urls_point_at_the_right_container_and_port(name, monkeypatch):
         assert (url.hostname, url.port) == ("reward", ports["reward"])
 
 
-def test_reward_runs_under_gvisor_and_gpu_services_reserve_a_gpu():
-    assert TANDEM["reward"]["runtime"] == "runsc"
+REWARD_CAPS = {"SYS_ADMIN", "SYS_CHROOT", "SETUID", "SETGID", "KILL"}
+"""What runsc needs in the reward container (docs/compose.md, "What each container may do")."""
+REWARD_SECURITY_OPT = {"no-new-privileges:true", "seccomp=./deploy/reward-seccomp.json", "apparmor=unconfined"}
+MUST_STAY_REFUSED = {"init_module", "finit_module", "kexec_load", "open_by_handle_at", "bpf", "keyctl", "userfaultfd",
+                     "perf_event_open", "swapon", "reboot"}
+"""Syscalls Docker's default profile refuses that the reward container's profile must refuse too."""
+
+
+def test_the_reward_container_starts_gvisor_sandboxes_with_only_what_runsc_needs():
+    """No `runtime: runsc` (nested gVisor is no thing, and bubblewrap cannot start in it): the default
+    runtime, root in the container with all capabilities dropped but the five runsc needs, no
+    privileged mode, a seccomp profile of Docker's refusals less pivot_root, and gVisor named as the
+    sandbox, so that code is refused rather than run anywhere else."""
+    spec = TANDEM[UNTRUSTED]
+    assert "runtime" not in spec and "privileged" not in spec
+    assert not {"devices", "pid", "ipc", "network_mode", "cgroup", "userns_mode", "volumes"} & set(spec)
+    assert spec["user"] == "0:0" and spec["cap_drop"] == ["ALL"] and set(spec["cap_add"]) == REWARD_CAPS
+    assert set(spec["security_opt"]) == REWARD_SECURITY_OPT
+    environment = spec["environment"]
+    assert environment["TANDEM_REWARD_SANDBOX"] == "gvisor"
+    assert not any("UNSAFE" in k for k in environment) and "REDIS_URL" not in environment
+    [profile_path] = [o.split("=", 1)[1] for o in spec["security_opt"] if o.startswith("seccomp=")]
+    profile = json.loads((ROOT / profile_path).read_text())
+    refused = {name for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ERRNO" for name in rule["names"]}
+    assert MUST_STAY_REFUSED <= refused
+    assert not {"pivot_root", "mount", "umount2", "unshare", "clone", "setns", "ptrace", "chroot"} & refused
+    assert not any(rule["action"] == "SCMP_ACT_ALLOW" for rule in profile["syscalls"])  # a denylist on ALLOW
+    assert profile["defaultAction"] == "SCMP_ACT_ALLOW"
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert re.search(r"apt-get install [^\n]*\brunsc\b", dockerfile), "the image must carry runsc"
+
+
+def test_gpu_services_reserve_a_gpu():
     for name in ("rollout", "learner"):
         devices = TANDEM[name]["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
@@ -360,7 +392,7 @@ def merged(name: str) -> dict:
 
 def test_the_cpu_profile_only_changes_what_a_cpu_host_needs():
     """One definition per service: the override names no new service and changes only images,
-    the GPU reservations (reset) and the CPU thread settings; the reward server stays under gVisor."""
+    the GPU reservations (reset) and the CPU thread settings; the reward server is the same but for its image."""
     assert set(CPU["services"]) <= set(SERVICES)
     for name, spec in CPU["services"].items():
         assert set(spec) <= {"image", "pull_policy", "environment", "deploy"}, name
@@ -370,7 +402,7 @@ def test_the_cpu_profile_only_changes_what_a_cpu_host_needs():
         assert "deploy" in SERVICES[name]  # the GPU default keeps its reservation
     assert merged("learner")["environment"]["DS_ACCELERATOR"] == "cpu"
     assert "VLLM_CPU_OMP_THREADS_BIND" in merged("rollout")["environment"]
-    assert merged("reward")["runtime"] == "runsc"
+    assert merged("reward") == SERVICES["reward"] | {"image": CPU["services"]["reward"]["image"], "pull_policy": "never"}
     assert "--appendonly" in merged("redis")["command"] and merged("redis")["configs"] == SERVICES["redis"]["configs"]
 
 
