@@ -18,7 +18,16 @@ character vocabulary), built in code since nothing can be downloaded:
    ``services.weightstore.write_version`` (safetensors + sha256 + atomic
    rename), in GB/s;
 3. if vLLM imports, generation tokens/s of ``LLM.generate`` on the same model
-   (bf16, 64 prompts x 256 tokens); otherwise the reason it was skipped.
+   (bf16, 64 prompts x 256 tokens); otherwise the reason it was skipped;
+4. packed against padded micro-batches (``learner.packing``) at the first ZeRO stage, on GRPO-like
+   uneven lengths (``bench/packing.py``'s groups, completions up to ``--completion-len``): tokens/s and
+   MFU of each, and their ratio;
+5. the weight broadcast's rate between two processes (``--broadcast-gb`` of bf16): NCCL between two
+   GPUs where there are at least two (NCCL refuses two ranks on one GPU: with one GPU it says so and skips);
+   on CPU (``--device cpu``, the dry run of this script) gloo through ``services.weightgroup``, what
+   ``publish.transport = "broadcast"`` runs there.
+
+    DS_ACCELERATOR=cpu python bench/gpu.py --device cpu --tiny --out /tmp/gpu.json   # the CPU dry run of all five
 
 Figures go to ``--out`` (JSON) and to stdout, with the hardware named.
 """
@@ -71,7 +80,8 @@ def synthetic_groups(vocab: int, n_groups: int, group_size: int, prompt_len: int
     return groups
 
 
-def learner_step(model: Path, params: int, stage: int, args, work: Path) -> dict:
+def learner_step(model: Path, params: int, stage: int, args, work: Path, *, packing: bool = True,
+                 uneven: bool = False, publish: bool = True) -> dict:
     import torch
 
     from learner.batch import build_batch
@@ -84,14 +94,20 @@ def learner_step(model: Path, params: int, stage: int, args, work: Path) -> dict
         "data": {"train": "unused.jsonl"},
         "sampling": {"group_size": args.group_size, "max_tokens": args.completion_len},
         "learner": {"zero_stage": stage, "precision": "bf16", "lr": 1e-5,
-                    "micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing},
+                    "micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.checkpointing,
+                    "packing": packing},
         "loss": {"beta": 0.0},
     })
     engine = LearnerEngine(cfg)
     timed, tokens = [], 0
     for step in range(args.warmup + args.steps):
-        groups = synthetic_groups(engine.vocab_size, args.groups, args.group_size, args.prompt_len,
-                                  args.completion_len, seed=step)
+        if uneven:  # GRPO-like: shared prompts of 16-128 tokens, long-tailed completions (bench/packing.py)
+            from bench.packing import grpo_groups
+
+            groups = grpo_groups(engine.vocab_size, args.groups, args.group_size, args.completion_len, seed=step)
+        else:
+            groups = synthetic_groups(engine.vocab_size, args.groups, args.group_size, args.prompt_len,
+                                      args.completion_len, seed=step)
         seqs = build_batch(groups, cfg.loss, cfg.sampling.max_tokens)
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -103,7 +119,7 @@ def learner_step(model: Path, params: int, stage: int, args, work: Path) -> dict
             timed.append(time.perf_counter() - t)
             tokens += sum(s.length for s in seqs)
     tokens_per_s = tokens / sum(timed)
-    out = {"zero_stage": stage, "steps_timed": len(timed), "tokens_per_step": tokens // len(timed),
+    out = {"zero_stage": stage, "packing": packing, "uneven": uneven, "steps_timed": len(timed), "tokens_per_step": tokens // len(timed),
            "step_s": [round(x, 4) for x in timed], "tokens_per_s": round(tokens_per_s, 1),
            "model_tflops": round(tokens_per_s * 6 * params / 1e12, 2), "loss": stats.get("loss"),
            "micro_batches": stats.get("micro_batches")}
@@ -111,19 +127,80 @@ def learner_step(model: Path, params: int, stage: int, args, work: Path) -> dict
         out["mfu"] = round(tokens_per_s * 6 * params / (args.peak_tflops * 1e12), 4)
     if engine.device.type == "cuda":
         out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    t = time.perf_counter()
-    weights = engine.full_state_dict(torch.bfloat16)
-    gather_s = time.perf_counter() - t
-    written = weightstore.write_version(work / f"weights-zero{stage}", 1, weights, step=1, replace=True)
-    out["publish"] = {"bytes": written.bytes, "gather_s": round(gather_s, 3), "write_s": round(written.seconds, 3),
-                      "write_gb_per_s": round(written.gb_per_s, 3),
-                      "gather_and_write_gb_per_s": round(written.bytes / (gather_s + written.seconds) / 1e9, 3)}
+    if publish:
+        t = time.perf_counter()
+        weights = engine.full_state_dict(torch.bfloat16)
+        gather_s = time.perf_counter() - t
+        written = weightstore.write_version(work / f"weights-zero{stage}", 1, weights, step=1, replace=True)
+        out["publish"] = {"bytes": written.bytes, "gather_s": round(gather_s, 3), "write_s": round(written.seconds, 3),
+                          "write_gb_per_s": round(written.gb_per_s, 3),
+                          "gather_and_write_gb_per_s": round(written.bytes / (gather_s + written.seconds) / 1e9, 3)}
+        del weights
     engine.engine.destroy()
-    del engine, weights
+    del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return out
+
+
+def packed_vs_padded(model: Path, params: int, stage: int, args, work: Path) -> dict:
+    """The learner's tokens/s (and MFU) with packed and with padded micro-batches on the same uneven batches."""
+    rows = {layout: learner_step(model, params, stage, args, work, packing=layout == "packed", uneven=True,
+                                 publish=False) for layout in ("packed", "padded")}
+    return {**rows, "packed_over_padded": round(rows["packed"]["tokens_per_s"] / rows["padded"]["tokens_per_s"], 3)}
+
+
+def _nccl_rank(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
+    """One of two processes: NCCL broadcasts of ``nbytes`` from rank 0 on GPU ``rank``; rank 0 reports seconds."""
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=f"cuda:{rank}")
+    dist.broadcast(buf, src=0)  # warm-up: the communicator forms here
+    torch.cuda.synchronize()
+    seconds = []
+    for _ in range(repeats):
+        dist.barrier()
+        t = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t)
+    if rank == 0:
+        out.put(seconds)
+    dist.destroy_process_group()
+
+
+def broadcast_rate(args, device: str) -> dict:
+    """Broadcast GB/s between two processes: NCCL on two GPUs, gloo (``services.weightgroup``) on CPU."""
+    import torch
+
+    nbytes = int(args.broadcast_gb * 1e9)
+    if device == "cpu":
+        from bench.transfer import broadcast, make_tensors
+
+        tensors = make_tensors(nbytes, torch.device("cpu"))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        _, learner_s, member_s = broadcast(tensors)
+        return {"backend": "gloo", "bytes": nbytes, "learner_s": round(learner_s, 3), "member_s": round(member_s, 3),
+                "gb_per_s": round(nbytes / learner_s / 1e9, 3),
+                "note": "services.weightgroup to one member process (sha256 both sides, the group's forming included)"}
+    if torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU: NCCL refuses two ranks on the same GPU, so the "
+                           "broadcast between two processes needs at least two GPUs"}
+    import torch.multiprocessing as mp
+
+    from broker.processes import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_nccl_rank, args=(free_port(), nbytes, 3, out), nprocs=2, join=True, start_method="spawn")
+    seconds = out.get()
+    best = min(seconds)
+    return {"backend": "nccl", "bytes": nbytes, "seconds": [round(x, 4) for x in seconds],
+            "gb_per_s": round(nbytes / best / 1e9, 2), "note": "GPU 0 to GPU 1, best of 3 after a warm-up"}
 
 
 def generation(model: Path, args) -> dict:
@@ -162,6 +239,10 @@ def hardware() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", choices=["auto", "cpu"], default="auto",
+                    help="cpu: the dry run (gloo, no MFU); auto: the GPU where there is one.")
+    ap.add_argument("--broadcast-gb", type=float, default=4.0, help="Bytes per broadcast (CPU dry run: 0.05).")
+    ap.add_argument("--no-packing", action="store_true", help="Skip the packed against padded comparison.")
     ap.add_argument("--tiny", action="store_true", help="A tiny model (a CPU check of the code).")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--steps", type=int, default=5)
@@ -176,6 +257,12 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.4,
                     help="The GPU's dense bf16 peak (H100/H200 SXM: 989.4); 0 = no MFU (CPU).")
     args = ap.parse_args()
+    import torch
+
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        args.peak_tflops, args.broadcast_gb = 0.0, min(args.broadcast_gb, 0.05)
     if args.tiny:
         args.groups, args.group_size, args.prompt_len, args.completion_len = 2, 4, 8, 24
         args.micro_batch_tokens, args.steps, args.warmup = 256, 2, 1
@@ -192,6 +279,10 @@ def main() -> None:
             report["learner"].append(learner_step(model, params, stage, args, work))
             print(json.dumps(report["learner"][-1]), flush=True)
         report["generation"] = {"skipped": "--no-generation"} if args.no_generation else generation(model, args)
+        report["packing"] = ({"skipped": "--no-packing"} if args.no_packing else
+                             packed_vs_padded(model, params, int(args.stages.split(",")[0]), args, work))
+        report["broadcast"] = broadcast_rate(args, device)
+    report["device"] = device
     report["wall_s"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.deepspeed
-def test_gpu_bench_runs_the_learner_step_and_publish_on_a_tiny_model(tmp_path):
+def test_gpu_bench_runs_the_learner_step_publish_packing_and_broadcast_on_a_tiny_model(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--tiny", "--no-generation", "--peak-tflops", "0",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/gpu.py"), "--device", "cpu", "--tiny", "--no-generation",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -29,6 +29,15 @@ def test_gpu_bench_runs_the_learner_step_and_publish_on_a_tiny_model(tmp_path):
         # every parameter published in bf16 (the file adds its safetensors header)
         assert 2 * report["parameters"] <= r["publish"]["bytes"] < 2 * report["parameters"] + (64 << 10)
     assert report["generation"] == {"skipped": "--no-generation"}
+    assert report["device"] == "cpu" and report["peak_tflops"] == 0  # the dry run: no MFU on CPU
+    packing = report["packing"]
+    assert (packing["packed"]["packing"], packing["padded"]["packing"]) == (True, False)
+    assert packing["packed"]["uneven"] and packing["padded"]["uneven"]
+    # the same batches both ways: the same real tokens per step, however many the padded layout computes
+    assert packing["packed"]["tokens_per_step"] == packing["padded"]["tokens_per_step"]
+    assert packing["packed_over_padded"] > 0
+    b = report["broadcast"]  # gloo between this process and a member (bench/transfer.py asserts the digest)
+    assert b["backend"] == "gloo" and b["bytes"] == 50_000_000 and b["gb_per_s"] > 0
 
 
 @pytest.mark.slow
