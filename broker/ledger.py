@@ -22,7 +22,12 @@ object of details); its stream id gives the time. The events:
 - ``retracted`` (learner, at a resume): versions, checkpoint_step,
   lost_steps.
 - ``loaded`` (rollout server, after the version's checksum matched):
-  server, version, sha256.
+  server, version, sha256; ``received`` for a version that came by
+  broadcast: server, version. Both are written by the swap's own task
+  (``RolloutEngine.load_weights``' ``record``), so a server never serves a
+  version without its record, even when its actor is cancelled at the swap.
+- ``broadcast`` (learner, before announcing a version in memory): version,
+  members; ``broadcast_sent`` (after the send): digest or error, seconds.
 - ``started`` (learner, at each start): pid, step, version, max_staleness.
 
 Exactly once: ``generated`` and the terminal events (``trained``,
