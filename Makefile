@@ -116,7 +116,8 @@ clean:
 image: $(STAMPS)/install
 	PYTHON=$(PY) PIP_WHEEL_ARGS="$(TORCH_INDEX)" sh deploy/image.sh
 
-# make compose-test: docker compose up of the CPU profile trains the example, down -v leaves nothing
+# make compose-test: docker compose up of the CPU profile trains the example, down -v leaves nothing, and the
+# reward container scores code and contains the hostile programs in its own gVisor sandboxes
 # (tests/compose; sets up Docker as root when missing). Not part of make test (how long it takes, with and
 # without the images built: docs/compose.md).
 compose-test: $(STAMPS)/dev

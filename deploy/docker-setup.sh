@@ -1,8 +1,9 @@
 #!/bin/sh
 # Sets up a Debian bookworm host (root) for the CPU profile of docker-compose.yml:
 # Docker Engine (Debian's docker.io), debootstrap (deploy/image.sh's base when Docker
-# Hub is unreachable), gVisor's runsc registered as the `runsc` runtime, the Compose v2
-# plugin, and a running dockerd. Each step is skipped when already done.
+# Hub is unreachable), gVisor's runsc registered as the `runsc` runtime (for containers of
+# your own: the compose files no longer use it, the reward container starts runsc itself), the
+# Compose v2 plugin, and a running dockerd. Each step is skipped when already done.
 #
 # Compose v2: bookworm's `docker-compose` package is Compose v1 (1.29, Python, no
 # `docker compose`, no `!reset`), so the plugin comes from Debian trixie's package
