@@ -60,13 +60,16 @@ def test_short_chaos_of_episodes(tmp_path, tool_arith_model):
     """Episodes under faults: the learner killed -9 (resumes from its step-5 checkpoint), the rollout server
     killed -9 with groups of episodes in flight (mid-turn or waiting on the calculator: they are admitted
     again and generated anew by the restarted server) and Redis killed -9, during 15 steps of the tool
-    example. Besides :func:`check` (no accuracy gain asked of so short a run): every trained group was an
-    episode group in the ledger, some episodes took a second turn after a tool call, and every learner
-    step trained episodes."""
+    example. Besides :func:`check`: every trained group was an episode group in the ledger, some episodes
+    took a second turn after a tool call, groups in flight on the killed rollout server were admitted
+    again (``tandem audit`` alone would not see them skipped: a prompt entry left in its stream is
+    closed as ``run_finished``), and every learner step trained episodes."""
     faults = [Fault("learner", "kill", at_step=6), Fault("rollout", "kill", at_step=9),
               Fault("redis", "kill", at_step=12)]
     report = run_chaos(tmp_path, tool_arith_model, steps=15, faults=faults, example="tool_arith")
-    check(report, min_gain=None)
+    # 100 greedy held-out episodes: the cold start never calls the tool greedily (0.00); three runs of this
+    # test measured 0.00 -> 0.93-0.94 (docs/reliability.md), so a 20-point margin is no luck of the draw
+    check(report, min_gain=0.2)
     assert report.audit["learner_starts"] == 2 and report.audit["lost_steps"] >= 1  # checkpoint every 5: 6 -> 5
     assert report.readmitted >= 1, "no group was in flight on the killed rollout server"
     episodes, trained = report.audit["episodes"], report.audit["groups"]["trained"]
