@@ -29,7 +29,7 @@ from rollout_server.openai_api import router as openai_router
 from rollout_server.settings import RolloutSettings
 from services.app import create_app
 from services.config import RunConfig
-from services.serving import EXIT_STARTUP_FAILED, run_server
+from services.serving import EXIT_STARTUP_FAILED, log_to_stderr, run_server
 
 log = logging.getLogger("tandem.rollout")
 
@@ -180,7 +180,7 @@ def serve(settings: RolloutSettings, config: RunConfig | None = None) -> None:
     """
     import uvicorn
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_to_stderr(settings.log_level)
     app = build_app(settings, config)
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False)

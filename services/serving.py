@@ -9,6 +9,7 @@ once uvicorn has shut the lifespan down again. Every ``tandem serve`` goes throu
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
 from typing import TYPE_CHECKING, NoReturn
@@ -77,10 +78,17 @@ def run_server(server: uvicorn.Server, name: str) -> None:
         raise
 
 
+def log_to_stderr(level: str) -> None:
+    """The service's own log lines (tandem's loggers, not only uvicorn's) on stderr at ``level``
+    (``TANDEM_LOG_LEVEL``), e.g. the reward server's "code runs in gVisor (runsc)" at start-up."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def serve(app: FastAPI, settings: CommonSettings) -> None:
     """Run ``app`` with uvicorn on the settings' host and port (blocks); see :func:`run_server`."""
     import uvicorn
 
+    log_to_stderr(settings.log_level)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             access_log=False)
     run_server(uvicorn.Server(config), app.title)

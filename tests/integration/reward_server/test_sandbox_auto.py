@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from broker.processes import stop_groups
+from deploy.stack import wait_healthy
+from tests.fixtures.reward import spawn_server
+
 CODE = {"code": "print(6 * 7)"}
 
 
@@ -83,3 +87,15 @@ async def test_auto_runs_code_on_the_host_only_with_unsafe_local(reward_app, pat
             "UNSAFE local execution without isolation (gvisor: runsc not found; bwrap: bwrap not found)")
         assert (await _runs_code(client))["stdout"] == "42\n"
         assert (await client.get("/v1/sandbox")).json()["isolated"] is False
+
+
+def test_the_served_reward_server_says_where_code_runs(reward_secret, tmp_path):
+    """``tandem serve reward`` at the default log level writes the sandbox it chose at start-up to its log
+    (``services.serving.log_to_stderr``): an operator sees where completions run without asking the API."""
+    log_path = tmp_path / "reward.log"
+    proc, url = spawn_server("bwrap", reward_secret, log_path, workers=1, log_level="info")
+    try:
+        wait_healthy(proc, url, 90, log_path)
+    finally:
+        stop_groups([proc])
+    assert "reward server: code runs in bubblewrap" in log_path.read_text(), log_path.read_text()[-2000:]
