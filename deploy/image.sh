@@ -52,7 +52,7 @@ constraints=$(mktemp /tmp/tandem-constraints.XXXXXX)
 "$PYTHON" -m pip freeze --exclude-editable | grep -v '^tandem' > "$constraints" || true
 # shellcheck disable=SC2086  # PIP_WHEEL_ARGS is a list of arguments
 "$PYTHON" -m pip wheel -q -w "$WHEELHOUSE" -c "$constraints" ${PIP_WHEEL_ARGS:-} \
-    ".[$EXTRAS]" "setuptools>=68" wheel "async-timeout>=4.0.3"  # redis needs it below Python 3.11.3 (bookworm's 3.11.2)
+    ".[$EXTRAS]" "setuptools>=77" wheel "async-timeout>=4.0.3"  # redis needs it below Python 3.11.3 (bookworm's 3.11.2)
 rm -f "$constraints" "$WHEELHOUSE"/tandem-*.whl  # the image builds tandem from its sources
 
 log "building $TANDEM_IMAGE from $base"
