@@ -42,6 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from broker.embedded import EmbeddedRedis  # noqa: E402
+
 MODEL = dict(hidden=1024, layers=9, heads=16, kv_heads=8, head_dim=64, intermediate=2816)
 TINY = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=192)
 """``--tiny``: a check of the code in seconds (no target)."""
@@ -68,20 +70,6 @@ async def main(url, run_id, name, count):
 
 asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])))
 """
-
-
-def start_redis(work: Path) -> tuple[subprocess.Popen, str]:
-    from broker.processes import free_port
-
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.monotonic() + 10
-    while subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip() != "PONG":
-        assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
-        time.sleep(0.1)
-    return proc, f"redis://127.0.0.1:{port}/0"
 
 
 def load_average() -> list[float]:
@@ -210,12 +198,8 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tandem-publish-", dir=args.workdir) as tmp:
-        redis, url = start_redis(Path(tmp))
-        try:
-            report = asyncio.run(run(args, Path(tmp), url))
-        finally:
-            redis.terminate()
-            redis.wait()
+        with EmbeddedRedis(Path(tmp) / "redis") as redis:
+            report = asyncio.run(run(args, Path(tmp), redis.url))
     import torch
 
     report = {"hardware": {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count()},
