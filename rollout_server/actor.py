@@ -455,6 +455,7 @@ class Actor:
             # a long prompt leaves less room: cap the completion instead of refusing
             # (its finish_reason "length" tells the learner it was cut)
             max_tokens=max(1, min(s.max_tokens, room)),
+            min_tokens=s.min_tokens,
             stop=tuple(s.stop),
         )
         try:

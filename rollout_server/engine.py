@@ -114,6 +114,8 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 64
+    min_tokens: int = 0
+    """Tokens sampled before EOS, a stop string or ``stop_token_ids`` may end a sample (capped at ``max_tokens``)."""
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
@@ -431,6 +433,7 @@ class RolloutEngine:
             top_p=s.top_p,
             top_k=s.top_k if s.top_k > 0 else 0,
             max_tokens=s.max_tokens,
+            min_tokens=min(s.min_tokens, s.max_tokens),
             stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None,
             seed=s.seed,

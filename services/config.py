@@ -133,6 +133,8 @@ class SamplingConfig(Section):
     """Top-k sampling (0 = off)."""
     max_tokens: int = Field(default=64, ge=1)
     """Completion length cap in tokens."""
+    min_tokens: int = Field(default=0, ge=0)
+    """Completion tokens sampled before EOS or a stop string may end a completion (vLLM's ``min_tokens``; 0 = off)."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings (the stop string is kept out of the completion)."""
 
@@ -424,6 +426,9 @@ class RunConfig(Section):
                 f"sampling.max_tokens ({self.sampling.max_tokens}) must be below "
                 f"model.max_model_len ({self.model.max_model_len}) to leave room for the prompt"
             )
+        if self.sampling.min_tokens > self.sampling.max_tokens:
+            raise ValueError(f"sampling.min_tokens ({self.sampling.min_tokens}) must be <= "
+                             f"sampling.max_tokens ({self.sampling.max_tokens})")
         if self.loss.eps_high < self.loss.eps_low and self.loss.policy_loss == "ppo_clip":
             raise ValueError("loss.eps_high must be >= loss.eps_low (clip-higher widens the upper side)")
         if self.learner.offload_params and self.learner.zero_stage != 3:
