@@ -85,8 +85,17 @@ from bench.pools import measure_costs, report  # noqa: E402
 
 CONFIG = ROOT / "examples/arith/run.toml"
 RESULTS = ROOT / "bench/results/e2e.json"
-DEFAULT_STEPS = {"example": 150, "25m": 20}
-DEFAULT_EVAL_EVERY = {"example": 10, "25m": 0}
+DEFAULT_STEPS = {"example": 150, "25m": 20, "25m-long": 6}
+DEFAULT_EVAL_EVERY = {"example": 10, "25m": 0, "25m-long": 0}
+SHAPES = {  # prompts per optimizer step, completion tokens (min, max), held-out evals before / after
+    "example": dict(prompts=16, min_tokens=0, max_tokens=24, evals=True),
+    "25m": dict(prompts=16, min_tokens=0, max_tokens=24, evals=True),
+    "25m-long": dict(prompts=8, min_tokens=128, max_tokens=256, evals=False),
+}
+"""What each size asks of both sides (G = 8 everywhere). ``25m-long``: completions of 128-256 tokens."""
+LONG_EOS_P = 0.015
+"""The 25m-long model's mean probability of EOS per token on random characters (its own: about 0.038):
+past the 128-token minimum, lengths are then 128 + a geometric tail, cut at 256 about 14% of the time."""
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -119,12 +128,17 @@ def trl_job(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     tok = AutoTokenizer.from_pretrained(spec["model"])
+    group = spec["prompts"] * 8
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     train = Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])}
                                for r in read_lines(Path(spec["train"]))])
     held_out = read_lines(Path(spec["eval"]), 200)
 
-    def reward(prompts, completions, answer, **_):
+    lengths: list[list[int]] = []  # completion tokens (EOS included), per generation batch
+
+    def reward(prompts, completions, answer, completion_ids=None, **_):
+        if completion_ids is not None:
+            lengths.append([len(ids) for ids in completion_ids])
         return [score(c, a) for c, a in zip(completions, answer, strict=True)]
 
     def greedy(m) -> float:
@@ -149,6 +163,8 @@ def trl_job(spec: dict) -> dict:
             self.eval_s = self.eval_cpu = 0.0
 
         def evaluate(self, m, step: int) -> None:
+            if not spec["evals"]:
+                return
             t, c = time.perf_counter(), time.process_time()
             acc = greedy(m)
             self.eval_s += time.perf_counter() - t
@@ -176,8 +192,9 @@ def trl_job(spec: dict) -> dict:
         output_dir=spec["scratch"], use_cpu=True, seed=0, report_to="none", save_strategy="no",
         logging_steps=10, max_steps=spec["steps"], learning_rate=1e-4, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
-        per_device_train_batch_size=16 * 8, gradient_accumulation_steps=1, num_generations=8,
+        per_device_train_batch_size=group, gradient_accumulation_steps=1, num_generations=8,
         num_iterations=1, max_completion_length=spec["max_tokens"], temperature=1.0, top_p=1.0,
+        generation_kwargs={"min_new_tokens": spec["min_tokens"]} if spec["min_tokens"] else None,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group",
         mask_truncated_completions=False, remove_unused_columns=False, disable_tqdm=True,
     )
@@ -187,17 +204,29 @@ def trl_job(spec: dict) -> dict:
     semantics = {k: getattr(a, k) for k in ("generation_batch_size", "steps_per_generation", "num_iterations",
                                              "per_device_train_batch_size", "gradient_accumulation_steps",
                                              "num_generations", "beta", "epsilon", "epsilon_high", "loss_type")}
-    if (a.generation_batch_size, a.steps_per_generation, a.num_iterations) != (128, 1, 1):
-        raise RuntimeError(f"TRL would not take one optimizer step per 16 x 8 generation batch: {semantics}")
+    if (a.generation_batch_size, a.steps_per_generation, a.num_iterations) != (group, 1, 1):
+        raise RuntimeError(f"TRL would not take one optimizer step per {spec['prompts']} x 8 generation batch: "
+                           f"{semantics}")
     trainer.train()
-    samples = spec["steps"] * 16 * 8
+    samples = spec["steps"] * group
     return {
         "steps": trainer.state.global_step, "trained_samples": samples,
         "steps_wall_s": clock.steps_s, "steps_cpu_s": clock.steps_cpu, "eval_wall_s": clock.eval_s,
         "step_s_median": statistics.median(b - a for a, b in zip([0.0] + clock.step_ends, clock.step_ends,
                                                                    strict=False)),
         "evals": clock.evals, "trl_args": semantics, "threads": torch.get_num_threads(),
+        "lengths": length_stats([n for batch in lengths for n in batch]),
+        "step_lengths": [statistics.fmean(batch) for batch in lengths],
     }
+
+
+def length_stats(lengths: list[float]) -> dict | None:
+    """Mean, spread and range of completion lengths (tokens); None when there are none."""
+    if not lengths:
+        return None
+    return {"n": len(lengths), "mean": statistics.fmean(lengths),
+            "stdev": statistics.stdev(lengths) if len(lengths) > 1 else 0.0,
+            "min": min(lengths), "max": max(lengths)}
 
 
 # -- processes and their CPU time ---------------------------------------------------------------------
@@ -295,8 +324,44 @@ def run_child(cmd: list[str], log: Path, env: dict | None = None, sample: bool =
 
 # -- the two sides ------------------------------------------------------------------------------------
 
-def prepare(size: str, work: Path) -> tuple[Path, int]:
-    """The policy's directory and its parameter count."""
+def shift_eos(path: Path, target_p: float, probe: int = 32, length: int = 192) -> dict:
+    """Make EOS about ``target_p`` likely per token by adding to the EOS row of the LM head.
+
+    The last hidden state (after the final RMSNorm) of this random model has a large common part
+    ``mu`` (its mean over positions), so adding ``s * mu / |mu|^2`` to the EOS row adds about ``s``
+    to the EOS logit at every position. ``s`` is measured on ``probe`` random sequences of
+    ``length`` tokens; returns the EOS probability before and after."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.arith.bootstrap import ALPHABET
+
+    tok = AutoTokenizer.from_pretrained(path)
+    eos = tok.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    chars = torch.tensor(sorted(set(tok.convert_tokens_to_ids(list(ALPHABET)))))
+    ids = chars[torch.randint(len(chars), (probe, length), generator=torch.Generator().manual_seed(0))]
+
+    def eos_p() -> tuple[float, torch.Tensor]:
+        with torch.no_grad():
+            out = model(ids, output_hidden_states=True)
+        return out.logits.softmax(-1)[..., eos].mean().item(), out.hidden_states[-1]
+
+    before, hidden = eos_p()
+    mu = hidden.reshape(-1, model.config.hidden_size).mean(0)
+    shift = math.log(target_p / before)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["lm_head.weight"][eos] += shift * mu / mu.dot(mu)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        model.lm_head.weight[eos] += shift * mu / mu.dot(mu)
+    after, _ = eos_p()
+    return {"eos_p_before": before, "eos_p_after": after, "logit_shift": shift}
+
+
+def prepare(size: str, work: Path) -> tuple[Path, int, dict]:
+    """The policy's directory, its parameter count and how it was built (the EOS shift, if any)."""
     from services.config import load_run_config
 
     if size == "example":
@@ -308,14 +373,20 @@ def prepare(size: str, work: Path) -> tuple[Path, int]:
         from examples.arith.bootstrap import ALPHABET
         from examples.tiny import tiny_qwen3
 
-        path = work / "models" / size
+        path, shape = work / "models" / size, SHAPES[size]
+        arch = SIZES[size.split("-")[0]]  # 25m-long: the 25m model
         if not (path / "config.json").exists():
-            tiny_qwen3(path, **SIZES[size], max_positions=256, alphabet=ALPHABET, tie_embeddings=False)
+            tiny_qwen3(path, **arch, max_positions=2 * shape["max_tokens"] if shape["min_tokens"] else 256,
+                       alphabet=ALPHABET, tie_embeddings=False)
+            if shape["min_tokens"]:
+                built = shift_eos(path, LONG_EOS_P)
+                (path / "eos-shift.json").write_text(json.dumps(built))
+    built = json.loads((path / "eos-shift.json").read_text()) if (path / "eos-shift.json").exists() else {}
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    return path, params
+    return path, params, built
 
 
 def toml_text(data: dict, prefix: str = "") -> str:
@@ -341,6 +412,13 @@ def tandem_config(size: str, model: Path, steps: int, eval_every: int, work: Pat
     data["eval"]["every"] = eval_every
     if size != "example":
         data["loss"]["filter_zero_variance"] = False  # a random policy's groups all score 0
+    shape = SHAPES[size]
+    data["learner"]["groups_per_step"] = shape["prompts"]
+    data["sampling"]["max_tokens"] = shape["max_tokens"]
+    data["sampling"]["min_tokens"] = shape["min_tokens"]
+    if shape["min_tokens"]:
+        data["model"]["max_model_len"] = shape["max_tokens"] + 64
+    data["eval"]["before"] = data["eval"]["after"] = shape["evals"]
     path = work / f"{size}.toml"
     path.write_text(toml_text(data))
     load_run_config(path)  # fails here, naming the field, if the dump does not round-trip
@@ -387,6 +465,8 @@ def run_tandem(config: Path, runs: Path, log: Path, env: dict | None = None) -> 
              for p in points if p["source"] == "eval"]
     learner = [p for p in points if p["source"] == "learner"]
     steps = summary["steps"]
+    per_step = groups_per_step(config) * summary_group_size(config)
+    step_lengths = [p["tokens"] / per_step for p in sorted(learner, key=lambda p: p["step"]) if "tokens" in p]
     costs, derived = measure_costs(ledger, learner, published_rows, groups_per_step(config))
     return {
         "run_dir": str(run_dir), "steps": steps, "trained_samples": samples,
@@ -397,6 +477,9 @@ def run_tandem(config: Path, runs: Path, log: Path, env: dict | None = None) -> 
         "accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
         "throughput": summary.get("throughput"), "stale_dropped": summary["stale_dropped"],
         "audit_ok": summary.get("audit", {}).get("ok"), "costs": costs.__dict__, "costs_from": derived,
+        "step_lengths": step_lengths,
+        # per sample only on TRL's side (tandem's samples are acked away); here the mean of the step means
+        "lengths": {"n": samples, "mean": statistics.fmean(step_lengths)} if step_lengths else None,
     }
 
 
@@ -412,12 +495,12 @@ def groups_per_step(config: Path) -> int:
     return load_run_config(config).learner.groups_per_step
 
 
-def run_trl(model: Path, steps: int, eval_every: int, work: Path, log: Path) -> dict:
+def run_trl(size: str, model: Path, steps: int, eval_every: int, work: Path, log: Path) -> dict:
     from services.config import load_run_config
 
-    cfg = load_run_config(CONFIG)
+    cfg, shape = load_run_config(CONFIG), SHAPES[size]
     spec = {"model": str(model), "train": str(cfg.data.train), "eval": str(cfg.data.eval), "steps": steps,
-            "eval_every": eval_every, "max_tokens": cfg.sampling.max_tokens, "scratch": str(work / "trl-out")}
+            "eval_every": eval_every, "scratch": str(work / "trl-out"), **shape}
     spec_path, result_path = work / "trl-spec.json", work / "trl-result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
@@ -427,14 +510,16 @@ def run_trl(model: Path, steps: int, eval_every: int, work: Path, log: Path) -> 
         raise RuntimeError(f"the TRL child exited {code}; see {log}")
     out = json.loads(result_path.read_text())
     evals = out["evals"]
-    return out | {"job_wall_s": wall, "job_cpu_s": cpu, "accuracy_before": evals[0]["accuracy"],
-                  "accuracy_after": evals[-1]["accuracy"]}
+    return out | {"job_wall_s": wall, "job_cpu_s": cpu, "accuracy_before": evals[0]["accuracy"] if evals else None,
+                  "accuracy_after": evals[-1]["accuracy"] if evals else None}
 
 
 # -- report -------------------------------------------------------------------------------------------
 
 def side_figures(r: dict, targets: list[float]) -> dict:
     n = r["trained_samples"]
+    lengths, steps = r.get("lengths") or {}, length_stats(r.get("step_lengths") or [])
+    throughput = r.get("throughput") or {}
     return {
         "training steps wall (s)": r["steps_wall_s"],
         "median step (s)": r["step_s_median"],
@@ -445,13 +530,21 @@ def side_figures(r: dict, targets: list[float]) -> dict:
         "held-out accuracy before": r["accuracy_before"],
         "held-out accuracy after": r["accuracy_after"],
         **{f"training s to {t:.0%} held-out": first_reaching(r["evals"], t) for t in targets},
+        "completion tokens, mean": lengths.get("mean"),
+        "completion tokens, stdev": lengths.get("stdev"),
+        "completion tokens, min / max": (lengths["min"], lengths["max"]) if "min" in lengths else None,
+        "completion tokens, step means min / max": (steps["min"], steps["max"]) if steps else None,
+        "learner idle (tandem's summary)": throughput.get("learner_idle_frac"),
+        "rollout idle (tandem's summary)": throughput.get("rollout_idle_frac"),
     }
 
 
 def render(size: str, info: dict, targets: list[float]) -> str:
     sides = {k: side_figures(info[k], targets) for k in ("trl", "tandem") if k in info}
-    head = (f"{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['steps']} steps, G 8 x 16 prompts, "
-            f"24 tokens")
+    shape = SHAPES[size]
+    tokens = (f"{shape['min_tokens']}-{shape['max_tokens']}" if shape["min_tokens"] else str(shape["max_tokens"]))
+    head = (f"{size}: {info['parameters'] / 1e6:.2f}M parameters, {info['steps']} steps, G 8 x {shape['prompts']} "
+            f"prompts, {tokens} tokens")
     lines = [head, f"{'':44}{'TRL 1.16 GRPOTrainer':>22}{'tandem run':>14}"]
     names = next(iter(sides.values())).keys() if sides else []
 
@@ -459,7 +552,9 @@ def render(size: str, info: dict, targets: list[float]) -> str:
         v = sides.get(side, {}).get(name)
         if v is None:
             return "-"
-        if name.startswith("held-out accuracy"):
+        if isinstance(v, tuple | list):
+            return " / ".join(f"{x:.0f}" for x in v)
+        if name.startswith("held-out accuracy") or "idle" in name:
             return f"{v:.1%}"
         return f"{v:.4f}" if v < 1 else f"{v:.1f}"
 
@@ -470,6 +565,16 @@ def render(size: str, info: dict, targets: list[float]) -> str:
             pts = ", ".join(f"{e['step']}: {e['accuracy']:.1%}" for e in info[k]["evals"])
             lines.append(f"  {k} held-out accuracy by step: {pts}")
     return "\n".join(lines)
+
+
+def show(paths: list[Path], targets: list[float]) -> str:
+    """The tables of the sizes in results files (later files win a size), each with its command."""
+    out = []
+    for path in paths:
+        result = json.loads(path.read_text())
+        for size, info in result["sizes"].items():
+            out.append(f"{render(size, info, targets)}\n  ({path.name}: {result['command']}, {result['started']})")
+    return "\n\n".join(out)
 
 
 def versions() -> dict:
@@ -489,13 +594,15 @@ def versions() -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="example,25m", help="comma-separated: example, 25m")
+    ap.add_argument("--sizes", default="example,25m,25m-long", help="comma-separated: example, 25m, 25m-long")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: example 150, 25m 20)")
     ap.add_argument("--eval-every", type=int, default=None, help="held-out eval cadence (default: example 10, 25m 0)")
     ap.add_argument("--targets", default="0.7,0.9", help="accuracies to time")
     ap.add_argument("--skip-trl", action="store_true")
     ap.add_argument("--pools-check", action="store_true", help="also run the example with 2 rollout servers")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--merge", action="store_true", help="keep the other sizes already in --out")
+    ap.add_argument("--show", type=Path, nargs="+", help="print the tables of these results files and exit")
     ap.add_argument("--runs", type=Path, default=None, help="tandem runs root (default: a temporary directory)")
     ap.add_argument("--trl-job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--trl-out", type=Path, help=argparse.SUPPRESS)
@@ -504,8 +611,11 @@ def main() -> None:
         args.trl_out.write_text(json.dumps(trl_job(json.loads(args.trl_job.read_text()))))
         return
 
-    become_subreaper()
     targets = [float(x) for x in args.targets.split(",") if x]
+    if args.show:
+        print(show(args.show, targets))
+        return
+    become_subreaper()
     work = Path(tempfile.mkdtemp(prefix="bench-e2e-"))
     runs = (args.runs or work / "runs").resolve()
     runs.mkdir(parents=True, exist_ok=True)
@@ -517,14 +627,15 @@ def main() -> None:
     texts = []
     for size in [s for s in args.sizes.split(",") if s]:
         if size not in DEFAULT_STEPS:
-            ap.error(f"unknown size {size!r} (example, 25m)")
+            ap.error(f"unknown size {size!r} ({', '.join(DEFAULT_STEPS)})")
         steps = args.steps or DEFAULT_STEPS[size]
         every = DEFAULT_EVAL_EVERY[size] if args.eval_every is None else args.eval_every
-        model, params = prepare(size, work)
-        info: dict = {"model": str(model), "parameters": params, "steps": steps, "eval_every": every}
+        model, params, built = prepare(size, work)
+        info: dict = {"model": str(model), "parameters": params, "steps": steps, "eval_every": every,
+                      **SHAPES[size], **built}
         if not args.skip_trl:
             print(f"[{size}] TRL GRPOTrainer, {steps} steps ...", flush=True)
-            info["trl"] = run_trl(model, steps, every, work, work / f"trl-{size}.log")
+            info["trl"] = run_trl(size, model, steps, every, work, work / f"trl-{size}.log")
         print(f"[{size}] tandem run, {steps} steps ...", flush=True)
         config = tandem_config(size, model, steps, every, work)
         info["tandem"] = run_tandem(config, runs, work / f"tandem-{size}.log")
@@ -543,6 +654,11 @@ def main() -> None:
         print("\n" + text + "\n", flush=True)
         texts.append(text)
         result["sizes"][size] = info
+    if args.merge and args.out.exists():
+        old = json.loads(args.out.read_text())
+        result["sizes"] = {**old.get("sizes", {}), **result["sizes"]}
+        result["merged_into"] = {k: old.get(k) for k in ("command", "started", "versions")}
+        texts = [render(s, info, targets) for s, info in result["sizes"].items()]
     result["table"] = "\n\n".join(texts)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
