@@ -1,22 +1,33 @@
 """tandem against TRL's synchronous ``GRPOTrainer``: the same GRPO training, side by side, in one run.
 
     make bench-e2e        # installs the bench extra (trl==1.16.0), then runs this
-    .venv/bin/python bench/e2e.py [--sizes example,25m] [--steps N] [--eval-every N] [--skip-trl]
-                                  [--pools-check] [--out bench/results/e2e.json] [--runs DIR]
+    .venv/bin/python bench/e2e.py [--sizes example,25m,25m-long] [--steps N] [--eval-every N] [--skip-trl]
+                                  [--pools-check] [--out bench/results/e2e.json] [--merge] [--runs DIR]
+    .venv/bin/python bench/e2e.py --show bench/results/e2e.json bench/results/e2e-long.json
 
-Two policies: ``example``, the model ``tandem bootstrap-model`` builds (its path
+Three configurations: ``example``, the model ``tandem bootstrap-model`` builds (its path
 from examples/arith/run.toml, bootstrapped here if missing), 150 steps; ``25m``,
 a Qwen3-architecture model of ~25M parameters built in code
 (``bench.plan_cpu.SIZES["25m"]``, ``examples.tiny``) with random weights (a
 supervised cold start at that size takes tens of minutes on two cores), 20
-steps. A random policy never answers right, so every group has zero reward
-variance: at 25m tandem keeps those groups (``loss.filter_zero_variance =
-false``) so that both sides train the same batches; the accuracy columns are
-then 0 and only the speed columns mean something.
+steps; ``25m-long``, the same model with completions of 128-256 tokens of
+uneven length, the shape of a real GRPO run where generation dominates: both
+sides sample at least 128 tokens (tandem ``sampling.min_tokens``, vLLM's
+``min_tokens``; TRL ``generation_kwargs = {"min_new_tokens": 128}``) and at
+most 256, and the EOS row of the LM head is shifted (:func:`shift_eos`, in the
+model's files, so both sides load the same policy) to make EOS about 1.5%
+likely per token, so that lengths spread over 128-256 instead of all hitting
+the cap. It trains 8 prompts x G 8 per step for 6 steps, no held-out
+evaluations (random weights: accuracy 0), about 25 minutes for both sides on
+two cores; the medians and ratios are what it is for. A random policy never
+answers right, so every group has zero reward variance: at 25m and 25m-long
+tandem keeps those groups (``loss.filter_zero_variance = false``) so that both
+sides train the same batches; the accuracy columns are then 0 and only the
+speed columns mean something.
 
 Both sides run the same task (examples/arith: prompts, 200 held-out prompts,
 the reward server's own ``exact`` / ``answer_tag`` scoring, imported here for
-TRL) and hyperparameters: G = 8, 16 prompts per optimizer step, 24 new tokens,
+TRL) and hyperparameters: G = 8, 16 prompts per optimizer step, 24 new tokens (25m-long: 8, 128-256),
 temperature 1, lr 1e-4 constant, AdamW (0.9, 0.999), no weight decay, gradient
 clip 1, no KL (beta 0), clip eps 0.2 / 0.28, token-mean loss (TRL ``dapo``:
 over the active tokens of the step's batch = tandem's ``token_mean``), group
@@ -28,7 +39,8 @@ tandem drops zero-variance groups and fills the step with groups that carry a
 gradient (DAPO dynamic sampling; TRL trains them with advantage 0), and
 corrects for stale samples (truncated importance sampling, eta = 1).
 
-Figures, per side:
+Figures, per side (``--show`` prints results files side by side; ``--merge`` adds
+this run's sizes to those already in ``--out``):
 
 - *training steps wall*: TRL from ``on_train_begin`` to the last step, its
   evaluation callbacks taken out; tandem from the run's submission (its first
@@ -49,7 +61,12 @@ Figures, per side:
   end (TRL: a callback, all 200 prompts in one left-padded ``generate``;
   tandem: the run's ``eval`` metric points, read back from the run's Redis
   append-only file after the run), and the training time at which a version
-  first reached each ``--targets`` accuracy.
+  first reached each ``--targets`` accuracy;
+- completion lengths in tokens (EOS included): TRL per sample (mean, stdev,
+  min, max, from the reward function's ``completion_ids``) and per step;
+  tandem per step (the learner's trained tokens / samples of each step's
+  metric point: its samples are acknowledged away, not kept);
+- tandem's learner and rollout idle fractions (the run summary's ``throughput``).
 
 Then the pools model (``bench/pools.py``) from the tandem run's costs, beside the
 measured single-machine figure; ``--pools-check`` measures one more point, two

@@ -56,3 +56,20 @@ def test_a_descendants_cpu_time_is_counted_while_it_runs(e2e):
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_long_size_asks_both_sides_for_128_to_256_tokens(e2e, tmp_path):
+    from services.config import load_run_config
+
+    cfg = load_run_config(e2e.tandem_config("25m-long", tmp_path / "m", 6, 0, tmp_path))
+    assert (cfg.sampling.min_tokens, cfg.sampling.max_tokens, cfg.sampling.group_size) == (128, 256, 8)
+    assert cfg.model.max_model_len > 256 + 6 and cfg.learner.groups_per_step == e2e.SHAPES["25m-long"]["prompts"]
+    assert not cfg.loss.filter_zero_variance and not cfg.eval.before and not cfg.eval.after
+
+
+def test_length_statistics(e2e):
+    assert e2e.length_stats([]) is None
+    s = e2e.length_stats([128, 200, 256, 160])
+    assert (s["n"], s["mean"], s["min"], s["max"]) == (4, 186.0, 128, 256)
+    assert s["stdev"] == pytest.approx(55.1845, abs=1e-3)
+    assert e2e.length_stats([130])["stdev"] == 0.0
