@@ -60,6 +60,8 @@ SCORE_TIMEOUT_S = 5.0
 """The rollout server's reward-call timeout in the chaos stack: a paused reward server outlasts it."""
 LEASE_S = 20.0
 """Admission lease and visibility timeout in the chaos run: a paused rollout server outlasts them."""
+SETTLE_STEPS = 2
+"""Steps trained after the last fault's recovery before the services' fds are counted for the leak check."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,13 @@ class Report:
     fds_before: dict[str, int] = field(default_factory=dict)
     """Open fds of each service before the run."""
     fds_mid: dict[str, int] = field(default_factory=dict)
-    """... once the last fault has been recovered from (connection pools have grown to their peak)."""
+    """... :data:`SETTLE_STEPS` steps after the last fault was recovered from: a Redis restart closes
+    every pooled connection, and the pools reopen them only as they are used again."""
     fds_after: dict[str, int] = field(default_factory=dict)
     """... at the end of the run (services with the same pid as at ``fds_mid`` only)."""
+    fd_kinds_mid: dict[str, dict[str, int]] = field(default_factory=dict)
+    """What those fds are (:func:`_fd_kinds`), at ``fds_mid`` and at ``fds_after``: to read a growth."""
+    fd_kinds_after: dict[str, dict[str, int]] = field(default_factory=dict)
     leftover_processes: list[int] = field(default_factory=list)
     leftover_tmp: list[str] = field(default_factory=list)
     up_exit: int | None = None
@@ -157,6 +163,20 @@ def _fds(pid: int) -> int:
         return len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError):
         return -1
+
+
+def _fd_kinds(pid: int) -> dict[str, int]:
+    """The process's open fds by kind: ``socket``, ``pipe``, ``anon_inode:[eventfd]``, or a file's directory."""
+    kinds: Counter[str] = Counter()
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(FileNotFoundError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")  # "socket:[123]", "pipe:[45]", "anon_inode:[...]"
+                if target.startswith("/"):
+                    kinds[os.path.dirname(target)] += 1
+                else:
+                    kinds[target if target.startswith("anon_inode") else target.split(":")[0]] += 1
+    return dict(kinds)
 
 
 class ChaosStack:
@@ -292,6 +312,9 @@ class ChaosStack:
     def service_fds(self) -> dict[str, int]:
         return {name: _fds(pid) for name, pid in self.info()["services"].items()}
 
+    def service_fd_kinds(self) -> dict[str, dict[str, int]]:
+        return {name: _fd_kinds(pid) for name, pid in self.info()["services"].items()}
+
     def stop(self) -> int:
         self.up.send_signal(signal.SIGTERM)
         try:
@@ -316,10 +339,15 @@ def run_chaos(tmp: Path, model: Path, steps: int, faults: list[Fault], stack_env
         run_id = stack.submit()
         for fault in faults:
             report.outcomes.append(asyncio.run(stack.inject(run_id, fault)))
+        settled = min(steps - 1, max([o.at_step + 1 for o in report.outcomes], default=0) + SETTLE_STEPS)
+        asyncio.run(stack.wait(run_id, lambda s: s.run.step >= settled or s.run.state in TERMINAL_STATES, 600,
+                               f"step {settled} (pools warm again)"))
         report.fds_mid, mid = stack.service_fds(), dict(stack.info()["services"])
+        report.fd_kinds_mid = stack.service_fd_kinds()
         final = asyncio.run(stack.wait(run_id, lambda s: s.run.state in TERMINAL_STATES, 1800, "the run's end"))
         report.final_state = final.run.state
         report.fds_after = {k: v for k, v in stack.service_fds().items() if mid.get(k) == stack.pid(k)}
+        report.fd_kinds_after = {k: v for k, v in stack.service_fd_kinds().items() if k in report.fds_after}
         points = asyncio.run(stack.train_points(run_id))
         report.train_points = len(points)
         report.episode_points = sum("episode_turns_mean" in p.values for p in points)
