@@ -17,9 +17,11 @@ sides sample at least 128 tokens (tandem ``sampling.min_tokens``, vLLM's
 most 256, and the EOS row of the LM head is shifted (:func:`shift_eos`, in the
 model's files, so both sides load the same policy) to make EOS about 1.5%
 likely per token, so that lengths spread over 128-256 instead of all hitting
-the cap. It trains 8 prompts x G 8 per step for 6 steps, no held-out
-evaluations (random weights: accuracy 0), about 25 minutes for both sides on
-two cores; the medians and ratios are what it is for. A random policy never
+the cap (measured: mean 188 tokens, stdev 46, 129-256; bench/results/e2e-long.json).
+It trains 8 prompts x G 8 per step for 6 steps, no held-out evaluations
+(random weights: accuracy 0); the medians and ratios are what it is for. On a
+two-core machine loaded by other jobs TRL's side took 45 minutes and tandem's
+14 (docs/performance.md): run it on a quiet one. A random policy never
 answers right, so every group has zero reward variance: at 25m and 25m-long
 tandem keeps those groups (``loss.filter_zero_variance = false``) so that both
 sides train the same batches; the accuracy columns are then 0 and only the
@@ -112,7 +114,7 @@ SHAPES = {  # prompts per optimizer step, completion tokens (min, max), held-out
 """What each size asks of both sides (G = 8 everywhere). ``25m-long``: completions of 128-256 tokens."""
 LONG_EOS_P = 0.015
 """The 25m-long model's mean probability of EOS per token on random characters (its own: about 0.038):
-past the 128-token minimum, lengths are then 128 + a geometric tail, cut at 256 about 14% of the time."""
+past the 128-token minimum, lengths are then 128 + a geometric tail, cut at 256."""
 PR_SET_CHILD_SUBREAPER = 36
 
 
