@@ -262,13 +262,14 @@ LEARNER_IDLE = frozenset({"read"})
 ROLLOUT_ACTIVITIES = ("generate", "score", "handoff", "eval_hold", "reload", "full", "stale", "idle")
 """The rollout servers' seconds per step (summed over servers), each instant counted once, for the first
 of these that covers it: busy generating, scoring, handing off, generating held-out prompts; idle while
-reloading weights, refused by admission as ``full`` or ``stale``, or otherwise (``idle``)."""
+reloading weights, waiting in admission for room (``full``, also an admission that got in after waiting)
+or sent to load newer weights (``stale``), or otherwise (``idle``)."""
 ROLLOUT_IDLE = frozenset({"reload", "full", "stale", "idle"})
 
 
 def _rollout_kind(s: Span) -> str | None:
-    if s.name == "admit":
-        return s.attrs.get("reason") if s.attrs.get("reason") in ("full", "stale") else None
+    if s.name == "admit":  # one reserve(): it waits for room, so an admission that got in may have waited too
+        return "stale" if s.attrs.get("reason") == "stale" else "full"
     return s.name if s.name in ROLLOUT_ACTIVITIES else None
 
 

@@ -40,5 +40,15 @@ def test_two_steps_tile_the_run_and_every_second_is_counted_once():
     assert two["rollout"]["generate"] == pytest.approx(4) and sum(two["rollout"].values()) == pytest.approx(4)
 
 
+def test_an_admission_that_waited_for_room_and_got_in_counts_as_full():
+    """``reserve()`` waits up to its timeout for room: the wait of an admission that then got a ticket is
+    time refused by the capacity, not unexplained idle."""
+    spans = [L("read", 0, 2, step=1), L("step", 2, 3, step=1),
+             R("admit", 0, 1, reason="admitted"), R("generate", 1, 3, group="a")]
+    (one,) = breakdown(spans)
+    assert one["rollout"]["full"] == pytest.approx(1) and one["rollout"]["idle"] == 0
+    assert one["rollout"]["generate"] == pytest.approx(2)
+
+
 def test_no_learner_steps_no_rows():
     assert breakdown([R("generate", 0, 1)]) == []
