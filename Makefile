@@ -123,7 +123,8 @@ bench: $(STAMPS)/dev
 	$(PY) bench/broker.py
 
 # make bench-e2e: tandem against TRL's GRPOTrainer on the same training (bench/e2e.py), at the example size, at
-# 25M parameters and at 25M with 128-256-token completions (25m-long); writes bench/results/e2e.json. Installs the `bench` extra (TRL) first; not part of make test.
+# 25M parameters and at 25M with 128-256-token completions (25m-long); writes bench/results/e2e.json.
+# Installs the `bench` extra (TRL) first; not part of make test.
 $(STAMPS)/bench: $(STAMPS)/install
 	$(call pip_install,$(BENCH_EXTRAS))
 	@touch $@
