@@ -20,8 +20,9 @@ likely per token, so that lengths spread over 128-256 instead of all hitting
 the cap (measured: mean 188 tokens, stdev 46, 129-256; bench/results/e2e-long.json).
 It trains 8 prompts x G 8 per step for 6 steps, no held-out evaluations
 (random weights: accuracy 0); the medians and ratios are what it is for. On a
-two-core machine loaded by other jobs TRL's side took 45 minutes and tandem's
-14 (docs/performance.md): run it on a quiet one. A random policy never
+quiet two-core machine the two sides took 224 s and 284 s (whole jobs); on
+one loaded by other jobs TRL's side took 45 minutes and tandem's 14
+(docs/performance.md): run it on a quiet one. A random policy never
 answers right, so every group has zero reward variance: at 25m and 25m-long
 tandem keeps those groups (``loss.filter_zero_variance = false``) so that both
 sides train the same batches; the accuracy columns are then 0 and only the
