@@ -18,11 +18,11 @@ group still in flight counts as the share ``p`` of the newest ``capacity``
 hand-offs that had signal, so ``queued + p * (in_flight + 1) <= capacity``
 admits one more (``p`` is 1 until that many hand-offs are known, and never
 below :data:`MIN_SIGNAL`: at most twice the capacity is in flight). Counting
-every group as one let the groups the learner would drop take the room of
-those it needed, and it waited for them after every step
-(docs/performance.md, "Bubbles"). The learner's acceptance rule, below, is
-what keeps the staleness bound exact; capacity only decides how much is
-generated ahead.
+every group in flight as one kept the rollout servers at
+``groups_per_step`` groups per learner step when a quarter of them carried
+no signal, and the learner waited for the rest (docs/performance.md,
+"Bubbles"). The learner's acceptance rule, below, is what keeps the
+staleness bound exact; capacity only decides how much is generated ahead.
 
 A reservation is a *ticket* in the sorted set ``tickets``:
 
