@@ -64,12 +64,6 @@ class Keys:
         return self._k("tickets")
 
     @property
-    def signal(self) -> str:
-        """List of the newest hand-offs' outcomes, newest first: 1 a group with signal, 0 one the learner
-        will drop for its equal rewards (``broker.admission``: in-flight groups count by their rate)."""
-        return self._k("signal")
-
-    @property
     def counters(self) -> str:
         """Hash of accounting counters (stale_dropped, dead_lettered, ...)."""
         return self._k("counters")

@@ -26,10 +26,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from broker.admission import ZERO_VARIANCE_TOL, has_signal  # noqa: F401  one definition: rollout servers use it too
-
 EPS = 1e-6
 """Added to the std in GRPO so a near-constant group does not blow up."""
+
+ZERO_VARIANCE_TOL = 1e-9
+"""Rewards closer than this count as equal."""
+
+
+def has_signal(rewards: Sequence[float]) -> bool:
+    """False when every reward of the group is the same (zero variance)."""
+    return max(rewards) - min(rewards) > ZERO_VARIANCE_TOL
 
 
 def group_advantages(rewards: Sequence[float], kind: str) -> list[float]:

@@ -29,10 +29,7 @@ One group, start to end:
 5. Hand off: append the trajectory group (behaviour log-probs, per-sample
    versions; the group's version is its oldest sample's) and ack the prompt
    in one atomic step with the ledger's ``generated`` entry; the slot
-   becomes a queued ticket until the learner acks the group, or is given
-   back at once when the learner will drop the group for lack of signal
-   (``loss.filter_zero_variance`` and equal rewards; admission then counts
-   groups in flight by the share that had signal: ``broker.admission``). A group another
+   becomes a queued ticket until the learner acks the group. A group another
    server already handed off (a redelivery) or that the run ended meanwhile
    is not handed off twice.
 
@@ -86,7 +83,6 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRegistry
-from broker.admission import has_signal
 from broker.broadcast import BroadcastBoard
 from broker.ledger import Ledger
 from broker.streams import raise_if_cancelled
@@ -541,10 +537,6 @@ class Actor:
                 server=self.server_id, version=traj.policy_version, statuses=statuses,
                 reward_mean=sum(smp.reward for smp in samples) / len(samples), **episodes,
             )
-            if handed is not None and self.config.loss.filter_zero_variance:
-                # without signal the learner drops it: its slot goes to a group it can train, and admission
-                # lets in as many more as the share of groups with signal asks (broker.admission)
-                await self.admission.handed(pg.group_id, has_signal([smp.reward for smp in samples]))
         if handed is None:
             log.warning("group %s was handed off or ended elsewhere meanwhile; this copy is discarded", pg.group_id)
             self.metrics.groups.labels("duplicate").inc()

@@ -242,44 +242,6 @@ async def test_counts_split_queued_from_in_flight(redis, keys):
     assert await adm.counts() == {"queued": 0, "in_flight": 2}
 
 
-async def _admitted(adm: Admission) -> int:
-    """Reserve until admission says full; how many it admitted (released again)."""
-    tickets = []
-    while (d := await adm.try_reserve(0)).ticket is not None:
-        tickets.append(d.ticket)
-        assert len(tickets) <= 4 * adm.capacity, "admission never said full"
-    assert d.reason == "full"
-    for t in tickets:
-        await adm.release(t)
-    return len(tickets)
-
-
-async def test_groups_in_flight_count_by_the_share_of_hand_offs_with_signal(redis, keys):
-    """Capacity bounds the groups the learner can train: once ``capacity`` hand-offs are known, a group in
-    flight counts as the share of them that had signal (never below MIN_SIGNAL), a queued one as one, and a
-    group handed off without signal gives its ticket back."""
-    from broker.admission import MIN_SIGNAL
-
-    adm = Admission(redis, keys, max_staleness=1, groups_per_step=2)  # capacity 4
-    assert await _admitted(adm) == 4
-    for signal in (True, False, True):  # fewer than capacity known: every group counts as one
-        await adm.handed(f"x{uuid.uuid4().hex}", signal)
-    assert await _admitted(adm) == 4
-    await adm.handed("x-last", True)  # 3 of the newest 4 had signal: 0.75 * (in flight + 1) <= 4
-    assert await _admitted(adm) == 5
-    await redis.zadd(keys.tickets, {"queued-a": float("inf"), "queued-b": float("inf")})  # two queued
-    assert await _admitted(adm) == 2  # 2 + 0.75 * 2 <= 4 < 2 + 0.75 * 3
-    await redis.zrem(keys.tickets, "queued-a", "queued-b")
-    for _ in range(4):  # none had signal: the floor
-        await adm.handed(f"x{uuid.uuid4().hex}", False)
-    assert await _admitted(adm) == int(adm.capacity / MIN_SIGNAL) == 8
-    # a group handed off without signal gives its queued ticket back; one with signal keeps it
-    await redis.zadd(keys.tickets, {"g-none": float("inf"), "g-some": float("inf")})
-    await adm.handed("g-none", False)
-    await adm.handed("g-some", True)
-    assert await adm.counts() == {"queued": 1, "in_flight": 0}
-
-
 async def test_reserve_ends_although_the_redis_client_lost_its_cancellation(redis, keys):
     """broker.streams.raise_if_cancelled in Admission.reserve: redis-py 8.1 on Python 3.11 can
     swallow a cancellation inside a command (the double below does what it does).

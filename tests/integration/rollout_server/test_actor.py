@@ -24,8 +24,7 @@ from tests.fixtures.rollout import TOKEN
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
 
-def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size: int = 4, retries: int = 2,
-            filter_zero_variance: bool = True) -> RunConfig:
+def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size: int = 4, retries: int = 2) -> RunConfig:
     train = tmp_path / "train.jsonl"
     train.write_text("")
     return RunConfig.model_validate(
@@ -37,7 +36,6 @@ def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size:
             "learner": {"groups_per_step": groups_per_step},
             "staleness": {"max_staleness": eta, "lease_s": 60, "visibility_timeout_s": 60},
             "reward": {"retries": retries},
-            "loss": {"filter_zero_variance": filter_zero_variance},
         }
     )
 
@@ -152,9 +150,7 @@ async def test_actor_produces_groups_within_the_staleness_bound(
     eta, actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, hf_logprobs, rollout_engine
 ):
     gps, steps = 2, 3
-    # the filter off: every group counts as one against capacity (with it, groups in flight count by the
-    # share with signal, and the stand-in learner below trains every group it gets)
-    config = _config(tiny_model, tmp_path, eta=eta, groups_per_step=gps, filter_zero_variance=False)
+    config = _config(tiny_model, tmp_path, eta=eta, groups_per_step=gps)
     registry = WeightRegistry(redis, keys)
     # this run's numbering starts above whatever the shared engine has loaded
     v0 = weight_versions.next_version()
@@ -197,8 +193,7 @@ async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(
 ):
     """A judge that fails, or a python reward function that raises: the group is scored again
     ``reward.retries`` times, then dead-lettered, never trained with a made-up reward."""
-    # the filter off: the good group holds its queued ticket whatever its rewards (it is trained)
-    config = _config(tiny_model, tmp_path, eta=1, groups_per_step=1, retries=2, filter_zero_variance=False)
+    config = _config(tiny_model, tmp_path, eta=1, groups_per_step=1, retries=2)
     registry = WeightRegistry(redis, keys)
     await _publish(registry, weight_versions, 200, weight_versions.next_version())
     spec = {"judge_error": reward_service.infra_failure_spec, "reward_error": reward_service.function_failure_spec}
@@ -252,36 +247,6 @@ async def test_actor_dead_letters_a_malformed_prompt_and_frees_its_slot(
     assert wire.decode(wire.TrajectoryGroup, got[0].envelope.payload).group_id == good
     dead = await prompts.dead_letters()
     assert [d["g"] for d in dead] == ["junk"] and "invalid PromptGroup" in dead[0]["reason"]
-
-
-@pytest.mark.parametrize("filtered", [True, False])
-async def test_a_group_the_learner_will_drop_for_lack_of_signal_gives_its_slot_back_at_hand_off(
-    filtered, actor_factory, redis, keys, tiny_model, tmp_path, weight_versions
-):
-    """Capacity bounds the groups the learner can train. Here every reward is 0 (a pattern nothing
-    matches): with ``loss.filter_zero_variance`` the learner will drop each group, so its ticket is given
-    back at hand-off and the actor goes on with capacity 1 and no acknowledgement (and the hand-offs
-    are recorded without signal); with the filter off every group is trained and holds its ticket until
-    the learner acks it."""
-    config = _config(tiny_model, tmp_path, eta=0, groups_per_step=1, filter_zero_variance=filtered)  # capacity 1
-    await _publish(WeightRegistry(redis, keys), weight_versions, 200, weight_versions.next_version())
-    groups = await _enqueue(redis, keys, count=3, n=2, spec=RegexSpec(pattern="(?!)"))
-    actor, _task = actor_factory(config)
-    traj = Stream.trajectories(redis, keys)
-    await traj.ensure_group()
-    got = []
-    deadline = time.monotonic() + (60 if filtered else 3)  # unfiltered: the second group never comes
-    while len(got) < len(groups) and time.monotonic() < deadline:
-        got += await traj.read("learner", count=len(groups), block_ms=300)  # never acked
-    rewards = [s.reward for d in got for s in wire.decode(wire.TrajectoryGroup, d.envelope.payload).samples]
-    assert rewards and set(rewards) == {0.0}
-    if filtered:
-        assert sorted(d.envelope.group_id for d in got) == sorted(groups)
-        assert (await actor.admission.counts())["queued"] == 0
-        assert await redis.lrange(keys.signal, 0, -1) == [b"0"]  # the newest capacity (1) hand-offs
-    else:
-        assert len(got) == 1 and (await actor.admission.counts())["queued"] == 1
-        assert await redis.lrange(keys.signal, 0, -1) == []
 
 
 async def test_follower_serves_the_active_run_until_it_is_stopped(
