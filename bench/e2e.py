@@ -11,7 +11,8 @@ a Qwen3-architecture model of ~25M parameters built in code
 (``bench.plan_cpu.SIZES["25m"]``, ``examples.tiny``) with random weights (a
 supervised cold start at that size takes tens of minutes on two cores), 20
 steps; ``25m-long``, the same model with completions of 128-256 tokens of
-uneven length, the shape of a real GRPO run where generation dominates: both
+uneven length, the shape of a real GRPO run (where, on GPUs, generation
+dominates; on one CPU core tandem's learner is the slower side there): both
 sides sample at least 128 tokens (tandem ``sampling.min_tokens``, vLLM's
 ``min_tokens``; TRL ``generation_kwargs = {"min_new_tokens": 128}``) and at
 most 256, and the EOS row of the LM head is shifted (:func:`shift_eos`, in the
