@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from services.timeline import TIMELINE_FILE, Span, breakdown, read_file  # noqa: E402
+from services.timeline import TIMELINE_FILE, Span, breakdown, exclusive, read_file  # noqa: E402
 
 ROLLOUT_ORDER = ("generate", "eval", "reload", "stale", "full", "score", "handoff", "other")
 """Each instant of a rollout server's life goes to the first of these that covers it."""
@@ -67,29 +67,6 @@ def _kind(s: Span) -> str | None:
     if s.name in ("reload", "broadcast"):
         return "reload"
     return s.name if s.name in ROLLOUT_ORDER else None
-
-
-def exclusive(intervals: list[tuple[float, float, str]], w0: float, w1: float,
-              order: tuple[str, ...] = ROLLOUT_ORDER) -> dict[str, float]:
-    """Seconds of [w0, w1] per kind, each instant given to the first kind of ``order`` covering it; what none
-    covers goes to the last kind."""
-    rank = {k: i for i, k in enumerate(order)}
-    events = []
-    for a, b, kind in intervals:
-        a, b = max(a, w0), min(b, w1)
-        if b > a:
-            events += [(a, 1, rank[kind]), (b, -1, rank[kind])]
-    events.sort()
-    out = dict.fromkeys(order, 0.0)
-    open_ = [0] * len(order)
-    t = w0
-    for at, delta, r in [*events, (w1, 0, 0)]:
-        if at > t:
-            first = next((i for i, n in enumerate(open_) if n > 0), len(order) - 1)
-            out[order[first]] += at - t
-            t = at
-        open_[r] += delta
-    return out
 
 
 def _covered(intervals: list[tuple[float, float]], w0: float, w1: float) -> tuple[float, float]:
@@ -126,7 +103,8 @@ def bubbles(spans: list[Span], skip: float = 0.1) -> dict:
         if b <= a:
             continue
         alive += b - a
-        for kind, secs in exclusive([(s.start, s.end, kind) for s in own if (kind := _kind(s))], a, b).items():
+        for kind, secs in exclusive([(s.start, s.end, kind) for s in own if (kind := _kind(s))], a, b,
+                                    ROLLOUT_ORDER).items():
             roll[kind] += secs
         area += _covered([(s.start, s.end) for s in own if s.name == "generate"], a, b)[1]
     busy = sum(roll[k] for k in ROLLOUT_BUSY)

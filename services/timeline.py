@@ -273,7 +273,7 @@ def _rollout_kind(s: Span) -> str | None:
     return s.name if s.name in ROLLOUT_ACTIVITIES else None
 
 
-def _exclusive(intervals: list[tuple[float, float, str]], w0: float, w1: float, order: tuple[str, ...]) -> dict:
+def exclusive(intervals: list[tuple[float, float, str]], w0: float, w1: float, order: tuple[str, ...]) -> dict:
     """Seconds of [w0, w1] per kind, each instant given to the first kind of ``order`` covering it (the last
     kind of ``order`` takes what none covers)."""
     rank = {k: i for i, k in enumerate(order)}
@@ -336,7 +336,7 @@ def breakdown(spans: list[Span]) -> list[dict]:
         for server, intervals in rollout.items():  # a server counts from its first span to its last
             a, b = max(w0, lives[server][0]), min(w1, lives[server][1])
             if b > a:
-                for k, v in _exclusive(intervals, a, b, ROLLOUT_ACTIVITIES).items():
+                for k, v in exclusive(intervals, a, b, ROLLOUT_ACTIVITIES).items():
                     roll[k] += v
         out.append({"step": step, "t0": w0, "t1": w1, "learner": secs, "rollout": roll})
         prev_end = w1
