@@ -96,6 +96,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -421,8 +422,11 @@ def toml_text(data: dict, prefix: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def tandem_config(size: str, model: Path, steps: int, eval_every: int, work: Path) -> Path:
-    """examples/arith/run.toml with the policy, steps and eval cadence of this benchmark."""
+def tandem_config(size: str, model: Path, steps: int, eval_every: int, work: Path,
+                  overrides: tuple[str, ...] = ()) -> Path:
+    """examples/arith/run.toml with the policy, steps and eval cadence of this benchmark, then
+    ``overrides`` (``section.key=value``, the value as TOML: ``staleness.max_staleness=2``) on tandem's
+    side only."""
     from services.config import load_run_config
 
     data = load_run_config(CONFIG).model_dump(mode="json", exclude_none=True)
@@ -440,6 +444,13 @@ def tandem_config(size: str, model: Path, steps: int, eval_every: int, work: Pat
     if shape["min_tokens"]:
         data["model"]["max_model_len"] = shape["max_tokens"] + 64
     data["eval"]["before"] = data["eval"]["after"] = shape["evals"]
+    for item in overrides:
+        key, _, value = item.partition("=")
+        *sections, name = key.strip().split(".")
+        table = data
+        for section in sections:
+            table = table.setdefault(section, {})
+        table[name] = tomllib.loads(f"v = {value.strip()}")["v"]
     path = work / f"{size}.toml"
     path.write_text(toml_text(data))
     load_run_config(path)  # fails here, naming the field, if the dump does not round-trip
@@ -625,6 +636,8 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="keep the other sizes already in --out")
     ap.add_argument("--show", type=Path, nargs="+", help="print the tables of these results files and exit")
     ap.add_argument("--runs", type=Path, default=None, help="tandem runs root (default: a temporary directory)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="change tandem's run config (TOML value; repeatable), e.g. staleness.max_staleness=2")
     ap.add_argument("--trl-job", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--trl-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -658,7 +671,7 @@ def main() -> None:
             print(f"[{size}] TRL GRPOTrainer, {steps} steps ...", flush=True)
             info["trl"] = run_trl(size, model, steps, every, work, work / f"trl-{size}.log")
         print(f"[{size}] tandem run, {steps} steps ...", flush=True)
-        config = tandem_config(size, model, steps, every, work)
+        config = tandem_config(size, model, steps, every, work, tuple(args.overrides))
         info["tandem"] = run_tandem(config, runs, work / f"tandem-{size}.log")
         text = render(size, info, targets)
         if size == "example":

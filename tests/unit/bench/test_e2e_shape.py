@@ -73,3 +73,14 @@ def test_length_statistics(e2e):
     assert (s["n"], s["mean"], s["min"], s["max"]) == (4, 186.0, 128, 256)
     assert s["stdev"] == pytest.approx(55.1845, abs=1e-3)
     assert e2e.length_stats([130])["stdev"] == 0.0
+
+
+def test_set_changes_tandems_config_and_a_wrong_key_fails_naming_it(e2e, tmp_path):
+    from services.config import ConfigError, load_run_config
+
+    path = e2e.tandem_config("example", tmp_path / "m", 150, 10, tmp_path,
+                             ("staleness.max_staleness=2", 'publish.transport = "broadcast"'))
+    cfg = load_run_config(path)
+    assert (cfg.staleness.max_staleness, cfg.publish.transport) == (2, "broadcast")
+    with pytest.raises(ConfigError, match="max_stalenes"):
+        e2e.tandem_config("example", tmp_path / "m", 150, 10, tmp_path, ("staleness.max_stalenes=2",))
