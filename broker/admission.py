@@ -4,9 +4,16 @@ Let ``v_learner`` be the newest published weight version and ``eta`` the
 run's ``max_staleness``.
 
 *Admission* (rollout side, :class:`Admission`): a rollout server serving
-version ``v_loaded`` may start a new group only if
-``v_learner - v_loaded <= eta``, ``v_loaded`` is not retracted, and fewer than
-``capacity = (eta + 1) * groups_per_step`` groups are queued or in flight.
+version ``v_loaded`` may start a new group only if ``v_loaded`` is not
+retracted and fewer than ``(eta + 1 - lag) * groups_per_step`` groups are
+queued or in flight, where ``lag = v_learner - v_loaded``. At ``lag = 0`` that
+is the run's ``capacity = (eta + 1) * groups_per_step``. A group started at a
+lag is trained only in the ``eta + 1 - lag`` steps left before its version
+falls out of the bound, and the groups ahead of it (those the learner is
+training included: their tickets are freed after the version they train is
+published) fill ``groups_per_step`` of them each; so a group that could only be
+trained after that is not started: the server is told ``stale`` and loads the
+newest version first. A refusal for room alone, at lag 0, is ``full``.
 The check and the reservation are one Lua script, so concurrent rollout
 servers can never overshoot the capacity.
 
@@ -74,8 +81,9 @@ class Ticket:
 class Decision:
     """Outcome of one admission attempt.
 
-    ``reason`` is ``"admitted"``, ``"stale"`` (load ``latest_version`` first)
-    or ``"full"`` (capacity reached: wait for the learner).
+    ``reason`` is ``"admitted"``, ``"stale"`` (load ``latest_version`` first: at the lag of the
+    loaded version there is no room a group could be trained in) or ``"full"`` (capacity reached:
+    wait for the learner).
     """
 
     ticket: Ticket | None
@@ -85,17 +93,20 @@ class Decision:
 
 
 # KEYS: tickets, weights_latest, counters, weights_retracted
-# ARGV: token, loaded_version, eta, capacity, now, lease_deadline
+# ARGV: token, loaded_version, eta, groups_per_step, now, lease_deadline
 _RESERVE = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[5])
 local latest = tonumber(redis.call('HGET', KEYS[2], 'version') or '0')
 local n = redis.call('ZCARD', KEYS[1])
-if latest - tonumber(ARGV[2]) > tonumber(ARGV[3]) or redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1 then
+local eta, per_step = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lag = latest - tonumber(ARGV[2])
+local stale = lag > eta or redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1
+if not stale and n >= (eta + 1) * per_step then
+  return {-1, latest, n}
+end
+if stale or n >= (eta + 1 - lag) * per_step then
   redis.call('HINCRBY', KEYS[3], 'refused_stale', 1)
   return {0, latest, n}
-end
-if n >= tonumber(ARGV[4]) then
-  return {-1, latest, n}
 end
 redis.call('ZADD', KEYS[1], ARGV[6], ARGV[1])
 redis.call('HINCRBY', KEYS[3], 'admitted', 1)
@@ -142,7 +153,7 @@ class Admission:
         now = time.time()
         code, latest, n = await self._reserve(
             keys=[self.keys.tickets, self.keys.weights_latest, self.keys.counters, self.keys.weights_retracted],
-            args=[token, loaded_version, self.max_staleness, self.capacity, now, now + self.lease_s],
+            args=[token, loaded_version, self.max_staleness, self.groups_per_step, now, now + self.lease_s],
         )
         if code == 1:
             return Decision(Ticket(token, loaded_version), "admitted", int(latest), int(n))

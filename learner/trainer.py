@@ -279,10 +279,14 @@ class Trainer:
                 stats, train_s = self._step(cmd)
                 self.held += [(d, {"step": self.step, "basis": batch.basis, "version": g.policy_version})
                               for d, g in batch.taken]
-                await self.feeder.hold(batch.deliveries)
                 if cmd.publish:
                     with self.timeline.span("publish", "rank0", step=self.step, version=self.version + 1):
                         await self._publish(self.version + 1, resume=False)
+                # the batch's tickets are freed once the version it trained is published, not before: a
+                # rollout server admitted meanwhile would start from the version before, whose groups the
+                # step after next no longer accepts at eta = 1 (broker/admission.py)
+                await self.feeder.hold(batch.deliveries)
+                if cmd.publish:
                     crash_point("published", self.step, self.paths.checkpoints)  # published, not acked
                 if cmd.checkpoint:
                     with self.timeline.span("checkpoint", "rank0", step=self.step):

@@ -46,6 +46,20 @@ async def test_stale_rollout_is_refused_until_it_loads(redis, keys):
     assert (await adm.reserve(0, timeout_s=5)).reason == "stale"  # returns at once: waiting can't help
 
 
+async def test_a_group_that_could_only_be_trained_too_late_is_not_started(redis, keys):
+    # eta 1, 2 groups a step: at lag 1 a group is trained in the step now waiting or running, or never
+    adm = Admission(redis, keys, max_staleness=1, groups_per_step=2)
+    reg = WeightRegistry(redis, keys)
+    ahead = [(await adm.try_reserve(0)).ticket for _ in range(2)]  # the batch the learner trains into version 1
+    await reg.publish(_wv(1))
+    d = await adm.try_reserve(0)  # a third group from version 0 would be trained at the step to version 3: lag 2
+    assert (d.reason, d.latest_version, d.outstanding) == ("stale", 1, 2)
+    await adm.release(ahead[0])
+    assert (await adm.try_reserve(0)).reason == "admitted"  # the one slot left in the step to version 2
+    assert (await adm.try_reserve(0)).reason == "stale"
+    assert [(await adm.try_reserve(1)).reason for _ in range(3)] == ["admitted", "admitted", "full"]
+
+
 async def test_expired_lease_frees_the_slot(redis, keys):
     adm = Admission(redis, keys, max_staleness=0, groups_per_step=1, lease_s=0.2)
     held = await adm.try_reserve(0)
@@ -106,7 +120,8 @@ async def _simulate(url: str, eta: int, groups_per_step: int, schedule: list[tup
         if action == "admit":
             d = await adm.try_reserve(loaded[w])
             if d.reason == "stale":
-                assert d.latest_version - loaded[w] > eta
+                at_lag = d.latest_version - loaded[w]
+                assert at_lag > eta or d.outstanding >= (eta + 1 - at_lag) * groups_per_step
                 loaded[w] = d.latest_version
             elif d.ticket is not None:
                 assert d.latest_version - loaded[w] <= eta
