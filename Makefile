@@ -51,15 +51,24 @@ XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 # Both write a JUnit report: `.venv/bin/python bench/test_times.py` prints the time per test file.
 REPORT := --junitxml=$(VENV)/test-report.xml
 FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not stack
+# make test leaves out the tests marked long (each over 15 s alone: whole trainings of the examples, the short chaos
+# runs, the other architectures' engines); make test-long runs them. make test keeps their short version:
+# tests/integration/deploy/test_main_job.py trains the example for 9 steps through every service and kills the
+# learner in three windows (docs/testing.md).
+TEST_MARKERS := not long and not chaos and not compose
+LONG_MARKERS := long and not chaos and not compose
 
-.PHONY: run test test-fast chaos bench bench-e2e lint clean image compose-test mutation
+.PHONY: run test test-fast test-long chaos bench bench-e2e lint clean image compose-test mutation
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml
 
 test: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -ra $(REPORT)
+	$(PY) -m pytest -q -ra $(REPORT) -m "$(TEST_MARKERS)"
+
+test-long: $(STAMPS)/dev
+	$(PY) -m pytest -q -ra $(REPORT) -m "$(LONG_MARKERS)"
 
 test-fast: $(STAMPS)/dev
 	$(VENV)/bin/lint-imports

@@ -45,6 +45,7 @@ def check(report, min_gain: float | None = 0.03) -> None:
         assert report.accuracy_after >= report.accuracy_before + min_gain, (report.accuracy_before, report.accuracy_after)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_short_chaos(tmp_path, arith_model):
     faults = [Fault("learner", "kill", at_step=8), Fault("rollout", "kill", at_step=13),
@@ -56,6 +57,7 @@ def test_short_chaos(tmp_path, arith_model):
     assert report.audit["learner_starts"] == 2 and report.audit["lost_steps"] >= 1  # checkpoint every 5: 8 -> 5
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1800)
 def test_short_chaos_of_episodes(tmp_path, tool_arith_model):
     """Episodes under faults: the learner killed -9 (resumes from its step-5 checkpoint), the rollout server

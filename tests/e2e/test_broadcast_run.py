@@ -55,6 +55,7 @@ max_prompts = 4
 """
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 120)
 def test_a_broadcast_run_serves_every_version_from_memory(tmp_path, tiny_model):

@@ -59,6 +59,7 @@ def _scalars(events_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 600)  # and the session's arith model, if this test is the first to need it
 def test_the_chat_walkthrough_learns_logs_and_exports(tmp_path, arith_model):

@@ -138,6 +138,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_up_submit_train_and_shutdown_leaves_nothing(tmp_path, arith_model):
     cfg_path = write_config(tmp_path, arith_model, STEPS, faults=False)

@@ -77,6 +77,7 @@ def _ends(series: dict[int, float]) -> tuple[float, float]:
     return sum(series[s] for s in first) / WINDOW, sum(series[s] for s in last) / WINDOW
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(TIMEOUT_S + 60)
 def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):

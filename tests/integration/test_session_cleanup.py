@@ -21,6 +21,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from broker.processes import OWNER_VARIABLE, die_with_parent, kill_owned, owned_by
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,6 +105,7 @@ def _alive(tree: dict[int, int]) -> dict[int, str]:
     return left
 
 
+@pytest.mark.slow  # over 9 s: make test, not make test-fast
 def test_a_killed_session_leaves_no_process(tmp_path):
     (tmp_path / "test_child.py").write_text(CHILD)
     ready = tmp_path / "ready.json"

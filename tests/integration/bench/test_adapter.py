@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 
+@pytest.mark.long
 def test_adapter_bench_loads_both_formats_and_an_adapter_is_its_lora_matrices(tmp_path):
     out = tmp_path / "adapter.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench/adapter.py"), "--sizes", "tiny", "--versions", "2",

@@ -24,6 +24,7 @@ def _bench():
     return sys.modules["bench_episodes"]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.usefixtures("engine_left_serving")
 async def test_the_smallest_run_records_sane_figures(rollout_engine, weight_versions, tiny_model, reward_servers,

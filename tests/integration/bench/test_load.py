@@ -50,6 +50,7 @@ async def tight_rollout(rollout_engine, serve_app):
         yield running
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.usefixtures("engine_left_serving")
 async def test_services_under_load_refuse_with_retry_after_stay_healthy_and_leak_nothing(tight_rollout, tiny_model):

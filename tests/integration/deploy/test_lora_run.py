@@ -25,6 +25,7 @@ STEPS = 3
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.deepspeed]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(1500)  # the example's model built first, then the run: past the suite's 600 s under load
 def test_adapter_run_serves_every_version_as_a_lora(tmp_path, arith_model):
     config_path = short_run_config(tmp_path, arith_model, steps=STEPS, checkpoint_every=STEPS, eval_prompts=8)

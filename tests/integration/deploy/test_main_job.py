@@ -174,6 +174,7 @@ def test_a_service_that_cannot_start_fails_the_run_and_leaves_no_process(tmp_pat
     assert not _owned_by_pid(job.pid), "a process the stack started is still alive"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigterm_stops_the_run_and_its_services_and_keeps_its_files(tmp_path, arith_model):
     config_path = short_run_config(tmp_path, arith_model, steps=200, checkpoint_every=50)

@@ -124,6 +124,7 @@ def _run_config(model: Path) -> dict:
     }
 
 
+@pytest.mark.long
 async def test_a_learner_per_run_spawned_leased_interrupted_resumed_and_ended(
         control_db_url, control_redis, tiny_model, tmp_path, monkeypatch):
     import deploy.modal_app as modal_app

@@ -142,6 +142,7 @@ MOE_RELOAD_GAP = pytest.mark.xfail(
 )
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", [pytest.param("qwen3_moe", marks=MOE_RELOAD_GAP), "olmo3"])
 async def test_other_class_trains_and_serves(kind, tmp_path):
     """Qwen3-MoE (Qwen3-30B-A3B-Base: 4 experts, top-2, tied head here) and OLMo-3

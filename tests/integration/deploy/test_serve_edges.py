@@ -136,6 +136,7 @@ def test_a_port_taken_before_start_stops_the_service_at_once(name, tiny_model, t
     assert left == []
 
 
+@pytest.mark.long
 def test_a_port_taken_while_the_engine_starts_ends_the_engine_and_exits_promptly(tiny_model, tmp_path):
     port = free_port()
     log = tmp_path / "rollout.log"

@@ -36,6 +36,7 @@ SEQUENTIAL = {"read", "step", "forward", "backward", "optimizer", "publish", "ch
               "eval_hold"}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_a_runs_spans_agree_with_its_ledger_and_make_a_trace(tmp_path, arith_model):

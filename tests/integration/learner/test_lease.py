@@ -16,6 +16,7 @@ from tests.integration.learner.test_service import _produce, _wait, _wait_run
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 async def test_a_second_standing_learner_leaves_a_leased_run_alone(
         control_db_url, control_redis, tiny_model, tmp_path, learner_proc, monkeypatch):
     from broker import Keys, Lease

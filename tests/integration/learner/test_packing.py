@@ -148,6 +148,7 @@ def engine_runs(tiny_model, tmp_path_factory):
     return one | {"two_ranks": two["zero3"]}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_packed_and_chunked_engines_make_the_padded_update(engine_runs, tiny_model):

@@ -105,6 +105,7 @@ async def test_gvisor_sandboxes_are_recycled():
         await sandbox.close()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 async def test_gvisor_unresponsive_sandbox_is_replaced(tmp_path):
     from reward_server.sandbox.gvisor import GVisorSandbox

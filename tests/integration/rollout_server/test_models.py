@@ -55,6 +55,7 @@ def servers(tmp_path_factory):
             stop_group(proc)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("kind", list(MODES))
 async def test_architecture_serves_with_logprobs_matching_hf(kind, servers):
     import torch

@@ -29,6 +29,7 @@ def _tail(log: Path) -> str:
     return log.read_text(errors="replace")[-4000:]
 
 
+@pytest.mark.long
 async def test_serve_rollout_process_runs_actor_and_exits_nonzero_on_engine_death(
     tiny_model, tmp_path, redis, redis_url, keys, reward_service
 ):

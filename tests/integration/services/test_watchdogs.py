@@ -195,6 +195,7 @@ async def _second_engine(tiny_model):
         engine.shutdown()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 async def test_an_engine_whose_core_stopped_is_failed_within_generate_s(tiny_model, redis, keys):
@@ -218,6 +219,7 @@ async def test_an_engine_whose_core_stopped_is_failed_within_generate_s(tiny_mod
         assert inc.source == "rollout:stuck" and "exits for a restart" in inc.action
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 async def test_a_reload_into_a_stopped_core_fails_the_engine_within_reload_s(tiny_model, redis, keys):
@@ -244,6 +246,7 @@ async def test_a_reload_into_a_stopped_core_fails_the_engine_within_reload_s(tin
 # -- learner --------------------------------------------------------------------------------
 
 
+@pytest.mark.long
 @pytest.mark.slow
 async def test_a_rank_stuck_in_a_checkpoint_write_fails_the_collective_and_exits(
     redis, keys, tiny_model, tmp_path, learner_proc
