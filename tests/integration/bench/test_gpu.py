@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow
+@pytest.mark.long  # over 15 s in make test (39 s at 2dc2538)
 @pytest.mark.deepspeed
 def test_gpu_bench_runs_the_learner_step_publish_packing_and_broadcast_on_a_tiny_model(tmp_path):
     out = tmp_path / "gpu.json"
