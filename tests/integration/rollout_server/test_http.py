@@ -271,8 +271,11 @@ async def test_version_tags_are_true_under_reloads_during_generation(rollout_ser
         first = await _version(c)
         body = dict(prompt=PROMPT, n=4, max_tokens=64, temperature=1.0)
 
-        # build the weights up front: the reloads must land while requests are in flight
-        req1, req2 = weight_versions.make(seed=104), weight_versions.make(seed=105)
+        # build the weights up front: the reloads must land while requests are in flight. Numbered above
+        # the version the server reports: in one CI run the fixture's count lagged it (first = 41 with
+        # versions 40 and 41 issued, so both loads were no-ops; cause not found)
+        v = max(weight_versions.next_version(), first + 1)
+        req1, req2 = weight_versions.make(seed=104, version=v), weight_versions.make(seed=105, version=v + 1)
 
         # each reload waits for a batch to finish, then lands while the next batch is generating: timed
         # from the test's start, both reloads could land before a loaded machine had generated anything;
