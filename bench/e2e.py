@@ -445,12 +445,18 @@ def tandem_config(size: str, model: Path, steps: int, eval_every: int, work: Pat
         data["model"]["max_model_len"] = shape["max_tokens"] + 64
     data["eval"]["before"] = data["eval"]["after"] = shape["evals"]
     for item in overrides:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
+        try:
+            parsed = tomllib.loads(f"v = {value.strip()}")["v"] if eq else None
+        except tomllib.TOMLDecodeError:
+            parsed = None
+        if parsed is None:
+            raise ValueError(f"--set {item!r}: expected SECTION.KEY=VALUE with a TOML value")
         *sections, name = key.strip().split(".")
         table = data
         for section in sections:
             table = table.setdefault(section, {})
-        table[name] = tomllib.loads(f"v = {value.strip()}")["v"]
+        table[name] = parsed
     path = work / f"{size}.toml"
     path.write_text(toml_text(data))
     load_run_config(path)  # fails here, naming the field, if the dump does not round-trip
@@ -659,9 +665,15 @@ def main() -> None:
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "versions": versions(),
               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "sizes": {}}
     texts = []
-    for size in [s for s in args.sizes.split(",") if s]:
+    sizes = [s for s in args.sizes.split(",") if s]
+    for size in sizes:  # a bad --set fails here, before any training
         if size not in DEFAULT_STEPS:
             ap.error(f"unknown size {size!r} ({', '.join(DEFAULT_STEPS)})")
+        try:
+            tandem_config(size, work / "models" / size, 1, 0, Path(tempfile.mkdtemp(dir=work)), tuple(args.overrides))
+        except ValueError as e:  # ConfigError is one
+            ap.error(str(e))
+    for size in sizes:
         steps = args.steps or DEFAULT_STEPS[size]
         every = DEFAULT_EVAL_EVERY[size] if args.eval_every is None else args.eval_every
         model, params, built = prepare(size, work)

@@ -84,3 +84,9 @@ def test_set_changes_tandems_config_and_a_wrong_key_fails_naming_it(e2e, tmp_pat
     assert (cfg.staleness.max_staleness, cfg.publish.transport) == (2, "broadcast")
     with pytest.raises(ConfigError, match="max_stalenes"):
         e2e.tandem_config("example", tmp_path / "m", 150, 10, tmp_path, ("staleness.max_stalenes=2",))
+
+
+@pytest.mark.parametrize("item", ["staleness.max_staleness", "staleness.max_staleness=two words"])
+def test_a_set_without_a_toml_value_names_itself(e2e, tmp_path, item):
+    with pytest.raises(ValueError, match="expected SECTION.KEY=VALUE"):
+        e2e.tandem_config("example", tmp_path / "m", 150, 10, tmp_path, (item,))
