@@ -383,7 +383,7 @@ def report(r: dict) -> str:
 
 
 def start_reward_server(sandbox: str, workers: int, log: Path) -> tuple[subprocess.Popen, str]:
-    from broker.processes import die_with_parent, free_port
+    from host.processes import die_with_parent, free_port
 
     port = free_port()
     env = {**os.environ, "TANDEM_TOKEN": TOKEN, "TANDEM_REWARD_SANDBOX": sandbox, "TANDEM_LOG_LEVEL": "warning",
@@ -400,9 +400,9 @@ def start_reward_server(sandbox: str, workers: int, log: Path) -> tuple[subproce
 async def run(args, work: Path) -> dict:
     from prometheus_client import CollectorRegistry
 
-    from broker.processes import stop_group
     from deploy.stack import wait_healthy
     from examples.tiny import tiny_qwen3
+    from host.processes import stop_group
     from rollout_server.engine import RolloutEngine
     from rollout_server.metrics import RolloutMetrics
     from rollout_server.settings import RolloutSettings

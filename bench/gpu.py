@@ -192,7 +192,7 @@ def broadcast_rate(args, device: str) -> dict:
                            "broadcast between two processes needs at least two GPUs"}
     import torch.multiprocessing as mp
 
-    from broker.processes import free_port
+    from host.processes import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()

@@ -68,8 +68,8 @@ from redis.exceptions import RedisError
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from broker.processes import die_with_parent, free_port, stop_groups  # noqa: E402
 from deploy.stack import wait_healthy  # noqa: E402
+from host.processes import die_with_parent, free_port, stop_groups  # noqa: E402
 
 RETRY_CAP_S = 10.0
 """Longest a client waits on a Retry-After before its next request."""

@@ -179,9 +179,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from broker.embedded import EmbeddedRedis
-    from broker.processes import free_port, stop_group
     from deploy.stack import wait_healthy
     from examples.tiny import char_tokenizer, parameter_count
+    from host.processes import free_port, stop_group
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="tandem-bench-rollout-"))
     model = work / "model"

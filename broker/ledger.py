@@ -47,8 +47,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from broker.files import write_atomic
 from broker.keys import Keys
+from host.files import write_atomic
 
 LEDGER_FILE = "ledger.jsonl"
 

@@ -8,8 +8,8 @@ servers is ``services.runs``.
 
 from __future__ import annotations
 
+from control_plane.settings import ControlSettings
 from services.config import RunConfig
-from services.settings import ControlSettings
 
 
 def build_app(settings: ControlSettings, config: RunConfig | None = None, **hooks):

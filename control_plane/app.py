@@ -45,16 +45,16 @@ from control_plane.groups import build_groups, enqueue
 from control_plane.model_path import ModelNotVisible, deployed_model
 from control_plane.prompt_sets import PromptSetStore
 from control_plane.reward_functions import FunctionCheck, spec_functions
+from control_plane.settings import ControlSettings
 from control_plane.stalls import StallMonitor
 from control_plane.trackers import TrackerHub
 from services.app import ServiceError, create_app
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.evaluate import EvalLog, eval_prompts
+from services.prompt_forms import chat_template_in
 from services.prompt_lines import LineError
-from services.prompts import chat_template_in
 from services.reward_specs import REWARD_TYPES, RewardSpec
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
-from services.settings import ControlSettings
 from services.watchdog import IncidentLog
 from services.wire import (
     CreateRun,

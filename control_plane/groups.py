@@ -14,7 +14,7 @@ in the run and stable across redeliveries. Lines that name no reward type
 take ``reward.type`` and ``reward.extract`` from the run config
 (``services.prompt_lines.line_specs``). Each group carries the line's prompt
 text or chat messages as the run's ``[prompt]`` section makes them
-(``services.prompts.prompt_forms``).
+(``services.prompt_forms.prompt_forms``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import redis.asyncio as aioredis
 from broker import Envelope, Keys, Stream
 from broker.streams import NO_VERSION
 from services.config import RunConfig
+from services.prompt_forms import prompt_forms
 from services.prompt_lines import MAX_ERRORS, LineError, line_specs
-from services.prompts import prompt_forms
 from services.wire import PromptGroup, encode
 
 

@@ -53,9 +53,9 @@ from redis.exceptions import WatchError
 
 from broker.keys import PROMPT_SETS, check_run_id, prompt_set, prompt_set_meta
 from control_plane.reward_functions import FunctionCheck, line_functions
+from control_plane.settings import ControlSettings
 from services.app import ServiceError
 from services.prompt_lines import LineError, LineParser
-from services.settings import ControlSettings
 from services.wire import PromptSetInfo
 
 FEED_BYTES = 256 << 10

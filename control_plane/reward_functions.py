@@ -22,9 +22,9 @@ from collections.abc import Iterator
 
 import httpx
 
+from control_plane.settings import ControlSettings
 from services.app import ServiceError
 from services.clients import RewardClient
-from services.settings import ControlSettings
 
 CHECK_TIMEOUT_S = 30.0
 """The whole ``/v1/check`` call, retries included (a function's module is imported on its first check)."""

@@ -1,8 +1,9 @@
-"""Deployment definitions: the tandem services as a Modal app.
+"""The entry points: how tandem is run, above every process it starts.
 
-``deploy.config`` says what each role gets (GPUs, containers, timeouts,
-images' pinned packages) as a typed, validated ``[modal]`` section;
-``deploy.launch`` turns a role into the exact ``tandem serve`` command
-line a container runs; ``deploy.modal_app`` wires both into a
-``modal.App``. Only ``deploy.modal_app`` imports ``modal``.
+The ``tandem`` CLI (``cli``), the local stack and its supervisor (``stack``, ``settings``), the
+main job ``tandem run`` (``main_job``, ``progress``, ``report``), the run's audit, trace and
+export (``audit``, ``trace``, ``export``), the memory planner and model presets (``plan``,
+``presets``, ``layout``), datasets imported as prompt sets (``datasets``) and the Modal app
+(``config``: the ``[modal]`` section; ``launch``: each role's ``tandem serve`` line;
+``modal_app``: the ``modal.App``; ``autoscale``). Only ``deploy.modal_app`` imports ``modal``.
 """

@@ -94,7 +94,7 @@ class State:
 
 
 @dataclass(frozen=True)
-class Decision:
+class ScalingDecision:
     containers: int
     reason: str
     changed: bool
@@ -112,7 +112,7 @@ def want(backlog: Backlog, stale_seen: int) -> str:
     return "hold"
 
 
-def decide(backlog: Backlog, state: State, bounds: Bounds, policy: Autoscale, now: float) -> tuple[State, Decision]:
+def decide(backlog: Backlog, state: State, bounds: Bounds, policy: Autoscale, now: float) -> tuple[State, ScalingDecision]:
     """The next state and the containers to keep, from one look at the backlog."""
     if backlog.run_id != (state.run_id or None):  # a new run (or none): its stale count starts anew
         state = replace(state, run_id=backlog.run_id or "", stale_seen=0, up=0, down=0)
@@ -123,15 +123,15 @@ def decide(backlog: Backlog, state: State, bounds: Bounds, policy: Autoscale, no
     clamped = min(max(state.containers, bounds.low), bounds.high)
     if clamped != state.containers:
         state = replace(state, containers=clamped, up=0, down=0, changed_at=now)
-        return state, Decision(clamped, f"bounds {bounds.low}..{bounds.high}", True)
+        return state, ScalingDecision(clamped, f"bounds {bounds.low}..{bounds.high}", True)
     cooling = now - state.changed_at < policy.cooldown_s
     if up >= policy.up_after and state.containers < bounds.high and not cooling:
         state = replace(state, containers=state.containers + 1, up=0, down=0, changed_at=now)
-        return state, Decision(state.containers, f"more: work waiting and admission open for {up} looks", True)
+        return state, ScalingDecision(state.containers, f"more: work waiting and admission open for {up} looks", True)
     if down >= policy.down_after and state.containers > bounds.low and not cooling:
         state = replace(state, containers=state.containers - 1, up=0, down=0, changed_at=now)
-        return state, Decision(state.containers, f"fewer: {_why_fewer(backlog)} for {down} looks", True)
-    return state, Decision(state.containers, f"hold ({wish}{', cooling down' if cooling else ''})", False)
+        return state, ScalingDecision(state.containers, f"fewer: {_why_fewer(backlog)} for {down} looks", True)
+    return state, ScalingDecision(state.containers, f"hold ({wish}{', cooling down' if cooling else ''})", False)
 
 
 def _why_fewer(backlog: Backlog) -> str:
@@ -172,7 +172,7 @@ async def load_state(redis, default: int) -> State:
 
 
 async def tick(redis, *, min_containers: int, max_containers: int, policy: Autoscale,
-               apply: Callable[..., Awaitable[object]], now: float | None = None) -> Decision:
+               apply: Callable[..., Awaitable[object]], now: float | None = None) -> ScalingDecision:
     """One look: read, decide, ``apply(min_containers=N, max_containers=M)`` (every look: a redeploy
     resets Modal's autoscaler to the decorator's values), remember."""
     now = time.time() if now is None else now

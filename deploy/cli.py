@@ -43,10 +43,11 @@ SERVICE_PACKAGES = {
 
 def settings_classes() -> dict[str, type]:
     """Each process's settings class by name (light modules: pydantic only)."""
+    from control_plane.settings import ControlSettings
+    from deploy.settings import ClientSettings, StackSettings
     from learner.settings import LearnerSettings
     from reward_server.settings import RewardSettings
     from rollout_server.settings import RolloutSettings
-    from services.settings import ClientSettings, ControlSettings, StackSettings
 
     return {"control": ControlSettings, "rollout": RolloutSettings, "reward": RewardSettings,
             "learner": LearnerSettings, "stack": StackSettings, "client": ClientSettings}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from deploy.layout import Layout, gpu_type_and_count, rollout_env
 from services.config import read_toml
 
 RUN_DIR = "/runs"
@@ -291,6 +292,19 @@ def role_volumes(role: str) -> tuple[str, ...]:
     return () if role in ("reward", "autoscale") else (RUN_DIR,)
 
 
+def layout_of(section: ModalDeploy) -> Layout:
+    """The layout a Modal deploy section runs: ``[modal.learner]`` is the learner (``gpu`` per node,
+    ``nodes``), ``[modal.rollout]`` one rollout server per container (``min_containers`` of them),
+    its GPUs split ``data_parallel`` ways (``modal.rollout_data_parallel``) and each replica
+    tensor-parallel over the rest. Separate containers: never colocated."""
+    learner_kind, per_node = gpu_type_and_count(section.learner.gpu or "")
+    rollout_kind, per_server = gpu_type_and_count(section.rollout.gpu or "")
+    dp = section.rollout_data_parallel
+    return Layout(learner_gpu=learner_kind, learner_gpus_per_node=per_node, learner_nodes=section.learner.nodes,
+                  rollout_gpu=rollout_kind, tensor_parallel=per_server // dp, data_parallel=dp,
+                  rollout_servers=max(1, section.rollout.min_containers), colocated=False)
+
+
 def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
     """Environment each role's containers get beyond the secret (all read by settings classes)."""
     env = {"TANDEM_RUN_DIR": RUN_DIR} if role_volumes(role) else {}
@@ -303,8 +317,6 @@ def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
     if role == "rollout":
         env["TANDEM_HOST"] = "0.0.0.0"  # @modal.web_server forwards to the container's port
         env["TANDEM_PORT"] = str(plan.rollout_port)
-        from deploy.layout import layout_of, rollout_env  # layout reads this module's types
-
         env |= rollout_env(layout_of(plan))  # vLLM's tensor / data parallel sizes
     return env
 

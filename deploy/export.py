@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from learner.weights import RETENTION_FILE, RUN_CONFIG_FILE
+from learner.retention import RETENTION_FILE, RUN_CONFIG_FILE
 from services import weightstore as store
 from services.config import ConfigError, RunConfig, load_run_config, parse_run_config
 

@@ -2,8 +2,8 @@
 
 A :class:`Layout` is the learner's GPUs (nodes x GPUs per node, one DeepSpeed rank each) and the
 rollout fleet (servers, each one vLLM engine over ``tensor_parallel x data_parallel`` GPUs of its
-own), colocated or not. :func:`layout_of` reads it from the Modal deploy section
-(``deploy/config.py``'s ``[modal]`` table); on Modal the two never share GPUs: the rollout servers
+own), colocated or not. ``deploy.config.layout_of`` reads it from the Modal deploy section
+(the ``[modal]`` table; this module knows nothing of that table's types); on Modal the two never share GPUs: the rollout servers
 and the learner are separate containers. From a layout:
 
 - :func:`vllm_args`: the engine's ``tensor_parallel_size`` and ``data_parallel_size``, which reach
@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:
-    from deploy.config import ModalDeploy
     from services.config import LearnerConfig
 
 
@@ -76,19 +75,6 @@ def gpu_type_and_count(gpu: str) -> tuple[str, int]:
     """A Modal GPU string ``TYPE[:COUNT]`` -> ``(TYPE, COUNT)``."""
     kind, _, count = gpu.partition(":")
     return kind, int(count or 1)
-
-
-def layout_of(section: ModalDeploy) -> Layout:
-    """The layout a Modal deploy section runs: ``[modal.learner]`` is the learner (``gpu`` per node,
-    ``nodes``), ``[modal.rollout]`` one rollout server per container (``min_containers`` of them),
-    its GPUs split ``data_parallel`` ways (``modal.rollout_data_parallel``) and each replica
-    tensor-parallel over the rest. Separate containers: never colocated."""
-    learner_kind, per_node = gpu_type_and_count(section.learner.gpu or "")
-    rollout_kind, per_server = gpu_type_and_count(section.rollout.gpu or "")
-    dp = section.rollout_data_parallel
-    return Layout(learner_gpu=learner_kind, learner_gpus_per_node=per_node, learner_nodes=section.learner.nodes,
-                  rollout_gpu=rollout_kind, tensor_parallel=per_server // dp, data_parallel=dp,
-                  rollout_servers=max(1, section.rollout.min_containers), colocated=False)
 
 
 def vllm_args(layout: Layout) -> dict[str, int]:

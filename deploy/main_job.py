@@ -41,13 +41,13 @@ from control_plane.trackers import TrackerError, preflight
 from deploy.audit import audit_file
 from deploy.progress import progress_bar
 from deploy.report import eval_text, pass_at, write_plots, write_summary
+from deploy.settings import StackSettings
 from deploy.stack import Stack
 from services import timeline, wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import RunConfig
 from services.evaluate import RUN_JOB, EvalLog, evaluate
 from services.run_states import TERMINAL_STATES
-from services.settings import StackSettings
 
 
 class JobError(RuntimeError):

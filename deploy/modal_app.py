@@ -56,7 +56,6 @@ from pathlib import Path, PurePosixPath
 
 import modal
 
-from broker.processes import free_port
 from deploy import launch
 from deploy.config import (
     IMAGE_PACKAGES,
@@ -69,11 +68,12 @@ from deploy.config import (
     role_secret,
     role_volumes,
 )
+from host.processes import free_port
 from services.config import load_run_config
 
 log = logging.getLogger("tandem.control")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("services", "control_plane", "broker", "rollout_server", "reward_server", "learner", "deploy")
+SOURCES = ("host", "services", "control_plane", "broker", "rollout_server", "reward_server", "learner", "deploy")
 SOURCE_IGNORE = ["**/__pycache__/**", "**/*.pyc", "**/.*", "**/wheelhouse/**"]
 """What of the packages is not shipped. Everything else is, package data included: the SDK's default
 ships ``.py`` files only, and the dashboard's ``control_plane/static`` would be missing (GET / 500)."""
@@ -140,7 +140,7 @@ def _settings(cls):
 def control():
     """The control plane: REST API and dashboard; it spawns the learner of each run it accepts."""
     from control_plane import build_app
-    from services.settings import ControlSettings
+    from control_plane.settings import ControlSettings
 
     os.environ.setdefault("TANDEM_CONTROL_REWARD_URL", reward.get_web_url())  # python reward functions checked
     return build_app(_settings(ControlSettings), load_run_config(RUN_CONFIG), start_learner=_spawn_learner)

@@ -25,7 +25,7 @@
   that is still alive (a rollout server killed -9 leaves vLLM's engine core;
   torchrun's ranks have sessions of their own): every process the stack
   starts carries ``_TANDEM_OWNER`` in its environment, which descendants
-  inherit (``broker.processes.owned_by``);
+  inherit (``host.processes.owned_by``);
 - on :meth:`stop` (Ctrl-C, SIGTERM) sends SIGTERM to each service, SIGKILL
   to its whole process group after a grace period, then stops Redis.
 
@@ -60,8 +60,10 @@ from pathlib import Path
 import httpx
 
 from broker.embedded import EmbeddedRedis
-from broker.files import write_atomic
-from broker.processes import (
+from deploy.launch import serve_argv, torchrun_argv
+from deploy.settings import StackSettings
+from host.files import write_atomic
+from host.processes import (
     OWNER_VARIABLE,
     die_with_parent,
     free_port,
@@ -71,8 +73,6 @@ from broker.processes import (
     stop_group,
     stop_groups,
 )
-from deploy.launch import serve_argv, torchrun_argv
-from services.settings import StackSettings
 
 SERVICES = ("reward", "control", "rollout", "learner")
 # Set per service by the stack; a value in the caller's environment would be wrong for all but one.

@@ -4,7 +4,7 @@ Who talks to whom: rank 0 reads trajectory groups from Redis
 (``learner.feeder``), every rank trains on its share (``learner.engine``,
 objective in ``learner.loss``; process group and named collectives in
 ``learner.distributed``, RNG state in ``learner.rng``), rank 0 publishes weight versions to the
-weight store (``learner.weights``) and registers them with the broker, and
+weight store (``learner.retention``) and registers them with the broker, and
 serves ``/healthz``, ``/metrics``, ``/v1/status`` (``learner.service``).
 The loop, its order of operations and the resume design are in
 ``learner.trainer``.

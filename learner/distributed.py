@@ -82,7 +82,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
     if "RANK" not in os.environ:
         # single process without a launcher: a one-rank group on a free local port
-        from broker.processes import free_port
+        from host.processes import free_port
 
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from broker.files import write_atomic
+from host.files import write_atomic
 from learner.batch import TrainSeq, bucket, collate, pack
 from learner.crash import crash_point
 from learner.distributed import collective, init_distributed

@@ -80,13 +80,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker.admission import lag
-from broker.files import write_atomic
 from broker.ledger import LEDGER_FILE
+from host.files import write_atomic
 from learner.feeder import DataTimeout
 from learner.ranks import RankChannel, RankCommand, receive
+from learner.retention import RETENTION_FILE, RUN_CONFIG_FILE, best, retained
 from learner.settings import LearnerSettings
 from learner.status import Published, Status
-from learner.weights import RETENTION_FILE, RUN_CONFIG_FILE, best, retained
 from services.config import RunConfig
 from services.timeline import Timeline
 

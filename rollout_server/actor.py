@@ -86,7 +86,7 @@ from broker import Admission, Delivery, Envelope, Keys, Stream, Ticket, WeightRe
 from broker.broadcast import BroadcastBoard
 from broker.ledger import Ledger
 from broker.streams import raise_if_cancelled
-from broker.weights import WeightVersion
+from broker.weight_versions import WeightVersion
 from rollout_server.engine import EngineDead, InvalidRequest, RolloutEngine, Sampling
 from rollout_server.episodes import EpisodeGeneration, run_episodes
 from rollout_server.metrics import RolloutMetrics

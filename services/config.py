@@ -87,7 +87,7 @@ def template_fields(template: str) -> list[str]:
 
 
 class PromptConfig(Section):
-    """How a prompt-set line becomes what the model reads (``services.prompts``). Lines carry ``prompt``
+    """How a prompt-set line becomes what the model reads (``services.prompt_forms``). Lines carry ``prompt``
     text, chat ``messages`` (rendered by the rollout server with the model's own chat template), or
     named fields that ``template`` turns into text. Checked against every line when the run is
     created: a problem is a 422 naming the line and field."""
@@ -266,7 +266,7 @@ class PublishConfig(Section):
     keep_best: int = Field(default=0, ge=0)
     """Also keep the N versions with the highest held-out score (``eval.every``'s accuracy; a tie
     keeps the newer), and any version due for evaluation until it is scored (0 = none); see
-    ``learner.weights.retained``. ``tandem export RUN --version best`` exports the best of them."""
+    ``learner.retention.retained``. ``tandem export RUN --version best`` exports the best of them."""
     lora_format: Literal["merged", "adapter"] = "merged"
     """With ``learner.lora``: publish full weights with the adapter merged in (what vLLM's in-place
     ``reload_weights`` loads), or only the adapter in PEFT format (``adapter_model.safetensors`` +

@@ -50,8 +50,8 @@ from broker import Keys
 from services import wire
 from services.clients import RewardClient, RolloutClient
 from services.config import EvalConfig, RunConfig
+from services.prompt_forms import chat_template_in, prompt_forms
 from services.prompt_lines import LineParser, line_specs
-from services.prompts import chat_template_in, prompt_forms
 from services.runs import MetricsLog
 
 SCORE_BATCH = 1024
@@ -115,7 +115,7 @@ def eval_prompts(lines: list[dict], config: RunConfig, chat: bool | None = None)
     completion is correct when the task's own spec scores it 1."""
     lines = lines[: config.eval.max_prompts]
     plain = config.model_copy(update={"reward": config.reward.model_copy(update={"format_weight": 0.0})})
-    forms = prompt_forms(lines, config, chat)  # as the training set's (services.prompts); chat: the model's template
+    forms = prompt_forms(lines, config, chat)  # as the training set's (services.prompt_forms); chat: the model's template
     return [wire.EvalPrompt(**form.wire_fields(), spec=spec, episode=line.get("episode"))
             for form, spec, line in zip(forms, line_specs(lines, plain), lines, strict=True)]
 

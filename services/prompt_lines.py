@@ -8,7 +8,7 @@ Instead of ``prompt`` a line may carry ``messages`` (chat turns,
 are not the spec's (``{"question": ..., "answer": ...}`` under ``math``:
 ``question``) are its *inputs*, strings or numbers that a run's
 ``prompt.template`` fills in. A run turns each form into what the model
-reads (``services.prompts``); the stored line keeps ``prompt``, ``messages``
+reads (``services.prompt_forms``); the stored line keeps ``prompt``, ``messages``
 or ``inputs`` beside ``spec`` (typed) or ``fields`` (untyped).
 A line without ``"type"`` takes the run config's ``reward.type`` and
 ``reward.extract`` when a run starts (:func:`line_specs`; at upload it is

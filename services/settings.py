@@ -1,17 +1,19 @@
 """Service settings: how a process listens and how it reaches the others.
 
-One class per process, each reading its own environment variables:
+One class per process, each in the ``settings`` module of the process's own package; this
+module holds only what they share (:class:`CommonSettings`, :class:`WorkerSettings`, the
+environment check). Each class reads its own environment variables:
 
 | class | process | variables |
 |---|---|---|
 | :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``TANDEM_ALLOWED_HOSTS``, ``REDIS_URL`` |
 | :class:`WorkerSettings` | what a rollout server and the learner share | ``TANDEM_RUN_ID``, ``TANDEM_SERVER_ID`` |
-| :class:`ControlSettings` | control plane (``control_plane``) | ``TANDEM_CONTROL_*`` |
+| ``ControlSettings`` | control plane (``control_plane.settings``) | ``TANDEM_CONTROL_*`` |
 | ``RolloutSettings`` | rollout server (``rollout_server.settings``) | ``TANDEM_ROLLOUT_*`` |
 | ``RewardSettings`` | reward server (``reward_server.settings``) | ``TANDEM_REWARD_*`` |
 | ``LearnerSettings`` | learner (``learner.settings``) | ``TANDEM_LEARNER_*`` |
-| :class:`StackSettings` | the supervisor (``tandem up``, ``tandem run``) | ``TANDEM_STACK_*`` |
-| :class:`ClientSettings` | the CLI as a client (``tandem submit``, ``status``) | ``TANDEM_URL``, ``TANDEM_TOKEN`` |
+| ``StackSettings`` | the supervisor (``tandem up``, ``tandem run``; ``deploy.settings``) | ``TANDEM_STACK_*`` |
+| ``ClientSettings`` | the CLI as a client (``tandem submit``, ``status``; ``deploy.settings``) | ``TANDEM_URL``, ``TANDEM_TOKEN`` |
 
 ``REDIS_URL`` is the one name outside the ``TANDEM_`` prefix (the name Redis
 hosts, docker-compose and Modal Secrets use). No other variable is read: a
@@ -48,7 +50,7 @@ def settings_config(prefix: str) -> SettingsConfigDict:
                               populate_by_name=True)
 
 
-class _EnvByNameOnce(EnvSettingsSource):
+class EnvByNameOnce(EnvSettingsSource):
     """The environment, each field read under one name: its alias if it has one, else prefix + name.
 
     ``populate_by_name`` (so that code and tests can pass ``token=...``) would otherwise make the
@@ -104,7 +106,7 @@ class CommonSettings(BaseSettings):
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, _EnvByNameOnce(settings_cls)  # no .env file, no secrets directory
+        return init_settings, EnvByNameOnce(settings_cls)  # no .env file, no secrets directory
 
     @property
     def auth_on(self) -> bool:
@@ -161,81 +163,6 @@ class WorkerSettings(CommonSettings):
     @property
     def name(self) -> str:
         return self.server_id or f"{self.host}:{self.port}"
-
-
-class ControlSettings(CommonSettings):
-    """The control plane (`tandem serve control`): ``TANDEM_CONTROL_*``."""
-
-    model_config = settings_config(PREFIX + "CONTROL_")
-
-    max_prompt_set_bytes: int = Field(default=64 << 20, ge=1024)
-    """Prompt-set uploads larger than this get 413 (TANDEM_CONTROL_MAX_PROMPT_SET_BYTES)."""
-    max_prompt_set_lines: int = Field(default=1_000_000, ge=1)
-    """Prompt sets with more non-blank lines than this get 422 (TANDEM_CONTROL_MAX_PROMPT_SET_LINES)."""
-    max_prompt_line_bytes: int = Field(default=8 << 20, ge=1024)
-    """A prompt-set line longer than this gets 422 naming it (TANDEM_CONTROL_MAX_PROMPT_LINE_BYTES)."""
-    max_stored_prompt_set_bytes: int = Field(default=1 << 30, ge=1024)
-    """Stored bytes of all prompt sets together; an upload past it gets 507, naming the setting
-    (TANDEM_CONTROL_MAX_STORED_PROMPT_SET_BYTES)."""
-    reward_url: str | None = None
-    """Reward server asked (``POST /v1/check``) whether the python reward functions a prompt set names may be
-    called, so that an upload or a run naming one it refuses gets 422 before anything is stored or trained
-    (TANDEM_CONTROL_REWARD_URL; `tandem up` and docker-compose set it). Unset: not checked here, and the
-    reward server refuses such a function only when completions are scored."""
-    reward_token: SecretStr | None = None
-    """Bearer token for that reward server (TANDEM_CONTROL_REWARD_TOKEN). Unset: TANDEM_TOKEN."""
-    redis_retries: int = Field(default=30, ge=0)
-    """Attempts a request makes to reach Redis again after a lost connection, with a back-off of 0.1 s
-    doubling to 1 s: the default (``broker.streams.RECONNECT_RETRIES``, about 25 s) rides out a Redis
-    restarted on its AOF; past them the request is answered 503 with Retry-After
-    (TANDEM_CONTROL_REDIS_RETRIES)."""
-    session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
-    """Lifetime of the dashboard's read-only session cookie (``GET /?token=T``) in seconds: its
-    Max-Age, and the age past which the server refuses it (TANDEM_CONTROL_SESSION_MAX_AGE_S)."""
-
-
-class StackSettings(CommonSettings):
-    """The supervisor of the local stack (`tandem up`, `tandem run`): ``TANDEM_STACK_*``."""
-
-    model_config = settings_config(PREFIX + "STACK_")
-
-    max_restarts: int = Field(default=3, ge=0)
-    """Restarts of a crashed service (with back-off) before the stack fails (TANDEM_STACK_MAX_RESTARTS)."""
-    restart_backoff_s: float = Field(default=2.0, ge=0)
-    """Seconds before a crashed service's first restart, doubled for each further restart, at most 30
-    (TANDEM_STACK_RESTART_BACKOFF_S)."""
-    stop_grace_s: float = Field(default=15.0, ge=0)
-    """Seconds a service gets to exit after SIGTERM before its process group is killed
-    (TANDEM_STACK_STOP_GRACE_S)."""
-    rollouts: int = Field(default=1, ge=1, le=16)
-    """Rollout servers to start (TANDEM_STACK_ROLLOUTS): ``rollout``, ``rollout-2``, ... each its own
-    vLLM engine; they share the run's admission capacity."""
-    learner_ranks: int = Field(default=1, ge=1, le=64)
-    """Learner ranks (TANDEM_STACK_LEARNER_RANKS): more than 1 starts the learner under ``torchrun``
-    (gloo on CPU, DeepSpeed ZeRO across the ranks)."""
-
-
-class ClientSettings(BaseSettings):
-    """The CLI as a client of a control plane (`tandem submit`, `tandem status`)."""
-
-    model_config = settings_config(PREFIX)
-
-    url: str | None = None
-    """Control plane URL (TANDEM_URL; `--url` wins). Unset: the local stack's `stack.json`, else
-    http://127.0.0.1:8000."""
-    token: SecretStr | None = None
-    """Bearer token for the control plane (TANDEM_TOKEN)."""
-    redis_url: SecretStr | None = Field(default=None, validation_alias="REDIS_URL")
-    """`tandem audit RUN_ID` reads the run's ledger there. Unset: the local stack's `stack.json`."""
-    run_dir: Path = Field(default=Path("runs"), validation_alias="TANDEM_RUN_DIR")
-    """This machine's folder that a deployment's run directory mirrors (TANDEM_RUN_DIR; default ``runs``,
-    from where `modal volume put` uploads models): `tandem submit` sends it, and a control plane that
-    cannot see the run's model.path looks for it at the same place under its own run directory."""
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
-                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, _EnvByNameOnce(settings_cls)  # REDIS_URL only, not TANDEM_REDIS_URL
 
 
 def env_names(cls: type[BaseSettings]) -> set[str]:

@@ -244,7 +244,7 @@ async def read(redis, keys: Keys, page: int = 10_000) -> list[Span]:
 
 
 def write_file(path: Path, spans: list[Span]) -> None:
-    from broker.files import write_atomic
+    from host.files import write_atomic
 
     write_atomic(path, "".join(json.dumps(s.as_dict(), separators=(",", ":")) + "\n" for s in spans))
 

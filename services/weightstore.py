@@ -1,7 +1,7 @@
 """The weight store: the on-disk form of a published weight version, and its only definition.
 
 Who talks to whom: the learner writes each version with :func:`write_version`
-(through ``learner.weights``) and publishes its URI and checksum in the
+(through ``learner.retention``) and publishes its URI and checksum in the
 broker's weight registry; a rollout server, told ``POST /v1/weights {version,
 uri, sha256}``, resolves the URI (:func:`uri_to_path`), checks the checksum
 (:func:`verify`) and the tensor names and shapes (:func:`checkpoint_signature`)

@@ -13,7 +13,7 @@ Who sends what:
 - anyone -> reward server ``POST /v1/execute``: :class:`ExecuteRequest` -> :class:`ExecuteResult`
 - rollout server -> ``trajectories`` stream: :class:`TrajectoryGroup`
 - anyone -> rollout server ``POST /v1/generate``: :class:`GenerateRequest` -> :class:`GenerateResponse`
-- learner -> broker registry -> rollout servers: ``broker.weights.WeightVersion`` (defined beside
+- learner -> broker registry -> rollout servers: ``broker.weight_versions.WeightVersion`` (defined beside
   its registry, the broker being the layer below this module)
   (``POST /v1/weights``: :class:`LoadWeights` -> :class:`WeightsStatus`)
 - control plane <-> learner / rollout servers, through Redis (``services.runs``):
@@ -242,7 +242,7 @@ def _answerable(messages: list[Message]) -> list[Message]:
 
 Messages = Annotated[list[Message], Field(min_length=1), AfterValidator(_answerable)]
 """Chat turns a model answers: at least one, the last the user's. The rollout server renders them
-with the model's own chat template (``services.prompts``)."""
+with the model's own chat template (``services.prompt_forms``)."""
 
 ChatTemplateKwargs = dict[str, str | bool | int | float]
 """Extra variables of a chat template (``prompt.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""

@@ -6,7 +6,7 @@ Per-service fixtures (a shared vLLM engine, a reward server, ...) live in
 Every process the session starts dies with it, even when pytest is killed: the session's owner tag
 is in the environment every child inherits, and ``tests/reaper.py`` kills what carries it once
 pytest is gone (:func:`pytest_configure`); the fixtures' direct children also get a parent-death
-signal (``broker.processes.die_with_parent``).
+signal (``host.processes.die_with_parent``).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def pytest_configure(config):
     """Tag the session (below the tag pytest itself may carry) and start its reaper, from the main
     thread, before any fixture starts a process. The reaper runs in a session of its own and without
     the tag: it outlives pytest by design, and ends once it has reaped."""
-    from broker.processes import OWNER_VARIABLE, owner_tag
+    from host.processes import OWNER_VARIABLE, owner_tag
 
     if getattr(config, "_tandem_reaper", None) is not None:
         return

@@ -1,6 +1,6 @@
 """The test session's reaper: once pytest is gone, however it ended, what the session started dies too.
 
-``tests/conftest.py`` gives the session an owner tag (``broker.processes.OWNER_VARIABLE``, inherited
+``tests/conftest.py`` gives the session an owner tag (``host.processes.OWNER_VARIABLE``, inherited
 by every process the session starts and by their descendants, whatever process group or session they
 move to: torchrun's ranks, vLLM's engine core; stacks and learners nest their own tags below it) and
 starts this process, ``python -m tests.reaper PID TAG``, in a session of its own: the signal that ends
@@ -17,7 +17,7 @@ import select
 import sys
 import time
 
-from broker.processes import kill_owned, owned_by
+from host.processes import kill_owned, owned_by
 
 GRACE_S = 10.0
 

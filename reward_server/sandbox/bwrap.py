@@ -38,7 +38,7 @@ import os
 import shutil
 import subprocess
 
-from broker.processes import stop_group_async
+from host.processes import stop_group_async
 from reward_server.sandbox.base import (
     GUEST_MOUNT,
     Job,

@@ -312,16 +312,16 @@ class GVisorSandbox(Sandbox):
         return await run_blaming(self._attempt, job, self.python)
 
     async def _attempt(self, job: Job) -> list[RunOutcome]:
-        async with self.pool.lease() as lease:
-            container = lease.item
+        async with self.pool.borrow() as loan:
+            container = loan.item
             try:
                 return await asyncio.wait_for(container.run(job), job.backstop_s())
             except TimeoutError:
-                lease.discard()
+                loan.discard()
                 log.warning("sandbox %s did not answer in %.0f s; killed", container.id, job.backstop_s())
                 return unanswered(job)
             except SandboxError:
-                lease.discard()  # SandboxEnded too: the sandbox is dead, the next try gets another
+                loan.discard()  # SandboxEnded too: the sandbox is dead, the next try gets another
                 raise
 
     async def close(self) -> None:

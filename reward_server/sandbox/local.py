@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from broker.processes import stop_group_async
+from host.processes import stop_group_async
 from reward_server.sandbox.base import (
     Job,
     RunOutcome,

@@ -211,17 +211,17 @@ class ModalSandbox(Sandbox):
                 raise SandboxError(f"{second}; the first sandbox failed too: {first}") from second
 
     async def _attempt(self, job: Job) -> list[RunOutcome]:
-        async with self.pool.lease() as lease:
+        async with self.pool.borrow() as loan:
             try:
-                outcomes = await self.api.run(lease.item, job)
+                outcomes = await self.api.run(loan.item, job)
             except SandboxError:
-                lease.discard()
+                loan.discard()
                 raise
             except (OSError, TimeoutError, *self.api.errors) as e:  # Modal's and transport errors
-                lease.discard()
+                loan.discard()
                 raise SandboxError(f"modal sandbox failed: {e!r}") from e
             if any(o.status == "timeout" for o in outcomes):
-                lease.discard()  # a program that ran out its time may have left work behind
+                loan.discard()  # a program that ran out its time may have left work behind
             return outcomes
 
     async def close(self) -> None:

@@ -1,12 +1,12 @@
-"""A bounded warm pool of sandboxes: lease one, use it, give it back or have it replaced.
+"""A bounded warm pool of sandboxes: borrow one, use it, give it back or have it replaced.
 
 Used by the gVisor backend (long-lived ``runsc`` sandboxes) and the Modal
 backend (``modal.Sandbox`` objects). An item is replaced, in the
-background, after ``max_uses`` leases, when its user discards it (it
+background, after ``max_uses`` loans, when its user discards it (it
 misbehaved), or when it is dead or about to die: ``alive(item)`` is false
 (default: its ``alive`` attribute), it is older than ``max_age_s`` or it sat
 idle longer than ``max_idle_s``. Those checks run when an item is about to
-be leased (a dead one is retired and the next is tried) and every
+be lent (a dead one is retired and the next is tried) and every
 ``sweep_s`` over the idle items, so a sandbox whose lifetime or idle
 timeout is near is replaced before a job meets it: Modal ends a sandbox at
 its ``timeout`` and after ``idle_timeout`` without work. Creation is
@@ -30,7 +30,7 @@ T = TypeVar("T")
 log = logging.getLogger("tandem.reward.pool")
 
 
-class Lease(Generic[T]):
+class Loan(Generic[T]):
     def __init__(self, item: T) -> None:
         self.item = item
         self.discarded = False
@@ -127,22 +127,22 @@ class Pool(Generic[T]):
                 delay = min(delay * 2, 30.0)
 
     @contextlib.asynccontextmanager
-    async def lease(self) -> AsyncIterator[Lease[T]]:
+    async def borrow(self) -> AsyncIterator[Loan[T]]:
         if self._closed:
             raise SandboxError("sandbox pool is closed")
         if not self._started:
             await self.start()
-        lease = Lease(await self._usable())
+        loan = Loan(await self._usable())
         try:
-            yield lease
+            yield loan
         finally:
-            item = lease.item
+            item = loan.item
             uses = self._uses.get(id(item), 0) + 1
             self._uses[id(item)] = uses
             self._used_at[id(item)] = self._clock()
             if self._closed:
                 await self._retire(item)
-            elif lease.discarded or uses >= self.max_uses or not await self._fit(item):
+            elif loan.discarded or uses >= self.max_uses or not await self._fit(item):
                 self._background(self._replace(item))
             else:
                 self._idle.put_nowait(item)

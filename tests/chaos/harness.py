@@ -45,9 +45,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from broker.ledger import read_file
-from broker.processes import die_with_parent, group_members
 from deploy.audit import find_ledger
 from deploy.main_job import EPISODE_MEANS
+from host.processes import die_with_parent, group_members
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.processes import free_port
+from host.processes import free_port
 from tests.compose.conftest import sh
 from tests.fixtures.reward import RewardServer, Secret
 from tests.integration.reward_server.test_hostile import (  # noqa: F401  (collected here, against compose)

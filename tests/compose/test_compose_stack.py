@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.processes import free_port
+from host.processes import free_port
 from tests.compose.conftest import sh
 
 pytestmark = [pytest.mark.slow, pytest.mark.compose, pytest.mark.timeout(3600)]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.processes import die_with_parent
+from host.processes import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 400

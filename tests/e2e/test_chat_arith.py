@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.processes import die_with_parent, group_members
+from host.processes import die_with_parent, group_members
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "chat_arith"

@@ -39,8 +39,8 @@ import pytest
 
 from broker import Keys, connect
 from broker.ledger import Ledger
-from broker.processes import die_with_parent, group_members
 from deploy.audit import audit_file
+from host.processes import die_with_parent, group_members
 from services import wire
 from services.clients import ControlClient, RewardClient, RolloutClient
 from services.config import load_run_config

@@ -46,7 +46,7 @@ def _stop_stack(pid: int, runs: Path) -> None:
     """Kill what a killed ``tandem run`` (process ``pid``) left: its services and Redis, tagged in their
     environment with ``OWNER_VARIABLE=PID-...`` (tests/integration/deploy/test_main_job.py reads the same),
     and vLLM's engine processes, which carry only ``TANDEM_RUN_DIR`` (a stack directory under ``runs``)."""
-    from broker.processes import OWNER_VARIABLE
+    from host.processes import OWNER_VARIABLE
 
     variable, mine, run_dir = f"{OWNER_VARIABLE}=".encode(), f"{pid}-".encode(), f"TANDEM_RUN_DIR={runs}/".encode()
 

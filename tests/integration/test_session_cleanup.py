@@ -5,7 +5,7 @@ suite starts: the embedded Redis, both reward servers (``tandem serve reward``) 
 bubblewrap sandboxes, and a learner-like tree (``torchrun`` whose two ranks move to sessions of their
 own), then waits. Once they are up, that pytest is SIGKILLed: no finaliser runs. Within a minute no
 process of its tree may be left (by pid and start time, read from /proc: runsc's gofer and sandbox
-carry no environment of ours) nor any process carrying its owner tag (``broker.processes.owned_by``).
+carry no environment of ours) nor any process carrying its owner tag (``host.processes.owned_by``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.processes import OWNER_VARIABLE, die_with_parent, kill_owned, owned_by
+from host.processes import OWNER_VARIABLE, die_with_parent, kill_owned, owned_by
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ CHILD = textwrap.dedent('''
     import time
     from pathlib import Path
 
-    from broker.processes import free_port
+    from host.processes import free_port
 
     RANK = "import time; time.sleep(600)"
 

@@ -80,8 +80,8 @@ async def test_control_plane_bounds_its_redis_connections_and_answers_503_withou
     Redis gone the control plane answers 503 with Retry-After, not 500, once its reconnection attempts
     (TANDEM_CONTROL_REDIS_RETRIES=2 here; the default 30 takes about 25 s) are spent."""
     from broker.embedded import EmbeddedRedis
-    from broker.processes import stop_groups
     from control_plane.app import REDIS_CONNECTIONS
+    from host.processes import stop_groups
 
     load = _bench()
     redis = EmbeddedRedis(tmp_path / "redis").start()

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from broker import Admission, Envelope, Keys, Stream, WeightRegistry, accept, connect
 from broker.admission import lag
-from broker.weights import VersionConflict, WeightVersion
+from broker.weight_versions import VersionConflict, WeightVersion
 
 
 def _wv(v: int) -> WeightVersion:

@@ -24,9 +24,9 @@ import redis as redis_sync
 
 from broker import Envelope, Keys, Stream, connect
 from broker.embedded import EmbeddedRedis, check_version, server_version
-from broker.processes import die_with_parent, free_port, stop_group
+from deploy.settings import StackSettings
 from deploy.stack import Stack
-from services.settings import StackSettings
+from host.processes import die_with_parent, free_port, stop_group
 
 TOKEN = "stack-token-" + "x" * 24
 ROOT = Path(__file__).resolve().parents[3]

@@ -24,10 +24,10 @@ import pytest
 from pydantic import ValidationError
 
 from control_plane.prompt_sets import PromptSetStore, StoredLines
+from control_plane.settings import ControlSettings
 from services.app import ServiceError
 from services.config import MAX_EPOCHS, ConfigError, parse_run_config
 from services.reward_specs import MAX_COMBINED_DEPTH, MAX_COMBINED_LEAVES, CombinedSpec
-from services.settings import ControlSettings
 from tests.fixtures.control import ARITH_LINES, TOKEN, control_settings, run_config
 
 GOOD = json.dumps(ARITH_LINES[0]).encode()

@@ -28,7 +28,7 @@ def rewards_module(tmp_path, monkeypatch) -> str:
 @contextlib.asynccontextmanager
 async def reward_server(functions: list[str]):
     """A real reward server (its own lifespan, its own process pool) on a free port."""
-    from broker.processes import free_port
+    from host.processes import free_port
     from reward_server import build_app
     from reward_server.settings import RewardSettings
 
@@ -97,7 +97,7 @@ async def test_a_run_is_refused_before_anything_is_enqueued(
 
 
 async def test_an_unreachable_reward_server_is_a_503_not_a_pass(rewards_module, control_db_url, control_redis, tmp_path):
-    from broker.processes import free_port
+    from host.processes import free_port
 
     async with control_plane(control_db_url, control_redis, tmp_path,
                              reward_url=f"http://127.0.0.1:{free_port()}") as control:

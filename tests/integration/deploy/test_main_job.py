@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.processes import OWNER_VARIABLE
+from host.processes import OWNER_VARIABLE
 from services.config import load_run_config
 from services.runs import CHARTS
 from tests.fixtures.stack import short_run_config

@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.processes import OWNER_VARIABLE, die_with_parent, free_port, owner_tag, stop_group
+from host.processes import OWNER_VARIABLE, die_with_parent, free_port, owner_tag, stop_group
 from tests.fixtures.control import ARITH_LINES, TOKEN, control_settings
 from tests.fixtures.learner import read_jsonl
 from tests.integration.learner.test_service import _produce

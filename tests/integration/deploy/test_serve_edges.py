@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from broker.processes import free_port, stop_group
-from learner.weights import RETENTION_FILE
+from host.processes import free_port, stop_group
+from learner.retention import RETENTION_FILE
 
 pytestmark = pytest.mark.slow
 

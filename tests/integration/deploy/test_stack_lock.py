@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from broker.processes import stop_group
+from host.processes import stop_group
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
+from deploy.settings import StackSettings
 from deploy.stack import Stack, StackError
-from services.settings import StackSettings
 
 
 @pytest.fixture

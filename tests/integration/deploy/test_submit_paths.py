@@ -48,8 +48,8 @@ async def _submit(config: Path, url: str, client_run_dir: Path) -> tuple[int, st
 
 
 async def test_submit_stores_the_model_path_the_deployed_services_load(control_db_url, control_redis, tmp_path):
-    from broker.processes import free_port
     from control_plane import build_app
+    from host.processes import free_port
 
     deployment, laptop = tmp_path / "deployment", tmp_path / "laptop"
     deployed_config = _repository(deployment)

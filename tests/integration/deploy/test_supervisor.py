@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.processes import group_members
+from host.processes import group_members
 
 ROOT = Path(__file__).resolve().parents[3]
 

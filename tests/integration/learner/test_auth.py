@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from broker.embedded import EmbeddedRedis
-from broker.processes import free_port, stop_group
 from deploy.stack import wait_healthy
+from host.processes import free_port, stop_group
 
 TOKEN = "learner-auth-token-" + "x" * 16
 READ_TOKEN = "learner-read-token-" + "y" * 16

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.processes import free_port
+from host.processes import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 

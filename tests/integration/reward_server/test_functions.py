@@ -192,8 +192,8 @@ def test_tandem_serve_reward_takes_the_allow_list_and_the_path_from_its_environm
 
     import httpx
 
-    from broker.processes import free_port, stop_group
     from deploy.stack import wait_healthy
+    from host.processes import free_port, stop_group
     from tests.fixtures.reward import REPO
 
     port, log = free_port(), tmp_path / "reward.log"

@@ -95,7 +95,7 @@ def judge_app(server: JudgeServer, redirect_to: str) -> FastAPI:
 async def serve(app_of):
     import uvicorn
 
-    from broker.processes import free_port
+    from host.processes import free_port
 
     port = free_port()
     server = JudgeServer(f"http://127.0.0.1:{port}")
@@ -227,8 +227,8 @@ async def test_endless_and_dripping_replies_are_cut_off(reward_app):
 
 @pytest.fixture(scope="module")
 def reward_process(tmp_path_factory):
-    from broker.processes import free_port, stop_group
     from deploy.stack import wait_healthy
+    from host.processes import free_port, stop_group
 
     port, log = free_port(), tmp_path_factory.mktemp("reward-regex") / "reward.log"
     env = {**os.environ, "TANDEM_TOKEN": REWARD_TOKEN, "TANDEM_REWARD_SANDBOX": "none", "TANDEM_LOG_LEVEL": "warning",

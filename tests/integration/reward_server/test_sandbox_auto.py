@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.processes import stop_groups
 from deploy.stack import wait_healthy
+from host.processes import stop_groups
 from tests.fixtures.reward import spawn_server
 
 CODE = {"code": "print(6 * 7)"}

@@ -128,7 +128,7 @@ async def serve_judge():
 
     import uvicorn
 
-    from broker.processes import free_port
+    from host.processes import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(scripted_judge_app(), host="127.0.0.1", port=port, log_level="warning"))

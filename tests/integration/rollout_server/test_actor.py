@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from broker import Admission, Envelope, Stream, WeightRegistry, accept
-from broker.weights import WeightVersion
+from broker.weight_versions import WeightVersion
 from services import wire
 from services.clients import RewardClient
 from services.config import RunConfig

@@ -13,7 +13,7 @@ import threading
 import pytest
 from safetensors.torch import load_file
 
-from broker.processes import free_port
+from host.processes import free_port
 from services.weightgroup import Invitation, WeightGroup
 from services.wire import LoadWeights
 

@@ -181,7 +181,7 @@ async def test_the_actor_runs_an_episode_group_and_scores_only_the_models_last_t
     the model's own last turn is scored); the trajectory carries the mask and the per-turn versions. A group
     naming a tool the server lacks is dead-lettered."""
     from broker import Envelope, Stream, WeightRegistry
-    from broker.weights import WeightVersion
+    from broker.weight_versions import WeightVersion
     from rollout_server.actor import Actor
     from services.clients import RewardClient
     from services.reward_specs import ExactSpec
@@ -238,7 +238,7 @@ async def test_held_out_episode_prompts_are_evaluated_as_episodes(
     observation (greedy), and "P:", whose python tool prints the answer tag, scores 0 (the model's last turn
     only), so the recorded accuracy is 1/2; the sample scored for "C:" is the turn after the observation."""
     from broker import Stream, WeightRegistry
-    from broker.weights import WeightVersion
+    from broker.weight_versions import WeightVersion
     from rollout_server.actor import Actor
     from services.clients import RewardClient
     from services.evaluate import EvalLog

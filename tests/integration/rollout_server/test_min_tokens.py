@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from broker import Envelope, Stream, WeightRegistry
-from broker.weights import WeightVersion
+from broker.weight_versions import WeightVersion
 from examples.tiny import DEFAULT_ALPHABET
 from services import wire
 from services.clients import RewardClient

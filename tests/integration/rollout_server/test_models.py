@@ -13,8 +13,8 @@ import sys
 import httpx
 import pytest
 
-from broker.processes import die_with_parent, free_port, stop_group
 from deploy.stack import wait_healthy
+from host.processes import die_with_parent, free_port, stop_group
 from tests.fixtures.rollout import TOKEN, tiny_arch
 from tests.integration.rollout_server.test_logprobs_modes import (
     TRUNCATED,

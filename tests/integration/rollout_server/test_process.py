@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from broker import Envelope, Stream
-from broker.processes import free_port, stop_group
 from deploy.stack import wait_healthy
+from host.processes import free_port, stop_group
 from services import wire
 from services.reward_specs import RegexSpec
 from tests.fixtures.rollout import TOKEN

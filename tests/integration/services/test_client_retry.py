@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from broker.processes import free_port
+from host.processes import free_port
 from services.clients import ServiceClient
 from tests.servers import uvicorn_server
 

@@ -38,9 +38,9 @@ EVIL = "rebind.evil.example"
 @pytest.fixture
 def serve_open_control(control_db_url, control_redis, tmp_path):
     """``async with serve_open_control(**settings) as url``: a control plane with auth off on 127.0.0.1."""
-    from broker.processes import free_port
     from control_plane import build_app
-    from services.settings import ControlSettings
+    from control_plane.settings import ControlSettings
+    from host.processes import free_port
 
     @contextlib.asynccontextmanager
     async def serve(**kw):
@@ -54,7 +54,7 @@ def serve_open_control(control_db_url, control_redis, tmp_path):
 
 @contextlib.asynccontextmanager
 async def reward_server(**kw):
-    from broker.processes import free_port
+    from host.processes import free_port
     from reward_server import build_app
     from reward_server.settings import RewardSettings
 
@@ -75,7 +75,7 @@ def _ndjson(lines: list[dict]) -> bytes:
 
 @pytest.mark.parametrize(("token", "host"), [("", "0.0.0.0"), ("", "127.0.0.1"), ("short-token", "127.0.0.1")])
 def test_an_empty_or_short_token_stops_tandem_serve(token, host, control_db_url, tmp_path):
-    from broker.processes import free_port
+    from host.processes import free_port
 
     env = {**os.environ, "TANDEM_TOKEN": token, "REDIS_URL": control_db_url, "TANDEM_RUN_DIR": str(tmp_path)}
     proc = subprocess.run(

@@ -34,8 +34,8 @@ import httpx
 import pytest
 
 from broker import Keys
-from broker.processes import free_port, stop_group
 from deploy.stack import wait_healthy
+from host.processes import free_port, stop_group
 from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import WatchdogConfig

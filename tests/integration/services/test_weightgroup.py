@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from broker.processes import free_port
+from host.processes import free_port
 from services.weightgroup import BroadcastFailed, WeightGroup, layout, manifest, read_manifest
 
 

@@ -307,7 +307,7 @@ def _reply(port: int, command: bytes) -> bytes:
 def test_a_real_redis_server_enforces_the_compose_config(tmp_path):
     """The config and command line of the redis container, on Debian's redis-server 7."""
     from broker.embedded import server_version
-    from broker.processes import die_with_parent, free_port, stop_group
+    from host.processes import die_with_parent, free_port, stop_group
 
     binary = shutil.which("redis-server")
     if binary is None or server_version(binary) < (7, 0, 0):

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from deploy.cli import app
 from deploy.export import INDEX_FILE, parse_size
-from learner.weights import RETENTION_FILE, RUN_CONFIG_FILE
+from learner.retention import RETENTION_FILE, RUN_CONFIG_FILE
 
 
 def make_run(top: Path, base_model: Path, versions: dict[int, Path], *, run_id: str = "exp-run",
@@ -186,7 +186,7 @@ async def test_best_reads_the_scores_of_a_running_stack_from_its_redis(tmp_path,
     decision: the stack's Redis (``stack.json``) has it while the stack runs; a stopped stack's is skipped."""
     import asyncio
 
-    from broker.processes import free_port
+    from host.processes import free_port
     from services.evaluate import EvalLog, EvalResult
 
     stack = tmp_path / "stack"

@@ -64,7 +64,7 @@ def test_sigterm_to_the_container_entrypoint_reaches_the_service_and_fails_the_c
     import subprocess
     import time
 
-    from broker.processes import die_with_parent, stop_group
+    from host.processes import die_with_parent, stop_group
 
     marker, log = tmp_path / "saved", tmp_path / "entrypoint.log"
     with open(log, "w") as out:

@@ -2,7 +2,7 @@
 
 For every run config in ``examples/presets/`` and its deploy section in
 ``examples/presets/modal/`` (same file name): the layout of the section
-(``deploy.layout.layout_of``) is turned into the planner's arguments, and the
+(``deploy.config.layout_of``) is turned into the planner's arguments, and the
 plan the preset notes (``#   tandem plan ...``, which test_presets checks is
 the smallest fit) must be that plan; then each consumer is given what the
 deployed app would give it, and must agree with the plan:
@@ -27,7 +27,7 @@ import pytest
 
 from deploy import layout as lay
 from deploy import plan as planner
-from deploy.config import gpu_count, load_deploy, role_env, role_options
+from deploy.config import gpu_count, layout_of, load_deploy, role_env, role_options
 from deploy.launch import torchrun_argv
 from deploy.presets import preset
 from learner.engine import ds_config
@@ -53,7 +53,7 @@ def rollout_settings(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Ro
 def test_planned_layout_is_the_deployed_one(path: Path, monkeypatch: pytest.MonkeyPatch):
     cfg = load_run_config(path)
     section = load_deploy(DEPLOY_DIR / path.name)
-    layout = lay.layout_of(section)
+    layout = layout_of(section)
     opts = noted_plan(path)
     mode = "lora" if cfg.learner.lora is not None else "full"
     kwargs = dict(group_size=cfg.sampling.group_size, max_tokens=cfg.sampling.max_tokens,
@@ -103,7 +103,7 @@ def test_layout_of_splits_the_rollout_gpus_and_refuses_what_cannot_run():
 
     section = ModalDeploy(rollout=RoleDeploy(gpu="H100:4", min_containers=2, max_containers=4),
                           rollout_data_parallel=2, learner=RoleDeploy(gpu="H100:8", nodes=2))
-    layout = lay.layout_of(section)
+    layout = layout_of(section)
     assert (layout.tensor_parallel, layout.data_parallel, layout.rollout_servers) == (2, 2, 2)
     assert layout.learner_world_size == 16 and not layout.colocated
     assert lay.rollout_env(layout) == {"TANDEM_ROLLOUT_TENSOR_PARALLEL_SIZE": "2",

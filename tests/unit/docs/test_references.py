@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 ARCHITECTURE = "docs/architecture.md"
-TOP_FOLDERS = ("broker", "services", "control_plane", "rollout_server", "reward_server", "learner", "examples",
+TOP_FOLDERS = ("host", "broker", "services", "control_plane", "rollout_server", "reward_server", "learner", "examples",
                "deploy", "bench", "tests", "docs", ".ci")
 TOP_FILES = ("README.md", "Makefile", "pyproject.toml", "docker-compose.yml", "docker-compose.cpu.yml")
 RUN_FILES = {"learner/published.jsonl"}

@@ -1,8 +1,8 @@
-"""The learner's retention policy (learner.weights): which published versions stay on disk."""
+"""The learner's retention policy (learner.retention): which published versions stay on disk."""
 
 from __future__ import annotations
 
-from learner.weights import best, retained
+from learner.retention import best, retained
 
 
 def test_retention_keeps_the_newest_and_versions_in_use():

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from fastapi import Request
 
+from control_plane.settings import ControlSettings
 from services.app import create_app
 from services.security import CLIENT_HEADER, session_cookie_value
-from services.settings import ControlSettings
 
 # services.settings.MIN_TOKEN_CHARS: 16
 SECRET = "edge-test-secret-token"

@@ -1,4 +1,4 @@
-"""Prompt forms (services.prompts, services.prompt_lines): messages, template fields, the system prompt,
+"""Prompt forms (services.prompt_forms, services.prompt_lines): messages, template fields, the system prompt,
 and whether a model directory has a chat template, checked against transformers' own loading."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from services.config import ConfigError, parse_run_config
+from services.prompt_forms import chat_template_in, prompt_forms
 from services.prompt_lines import LineError, LineParser
-from services.prompts import chat_template_in, prompt_forms
 from services.wire import Message
 
 CHAT = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"

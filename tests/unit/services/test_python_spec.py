@@ -8,8 +8,8 @@ import json
 import pytest
 
 from services.config import parse_run_config
+from services.prompt_forms import prompt_forms
 from services.prompt_lines import LineError, LineParser, line_specs
-from services.prompts import prompt_forms
 from services.reward_specs import PythonSpec
 
 

@@ -1,4 +1,4 @@
-"""broker.processes: finding what a dead process started, whatever group or session it moved to, and
+"""host.processes: finding what a dead process started, whatever group or session it moved to, and
 ending a process with everything it started."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from broker.processes import (
+from host.processes import (
     OWNER_VARIABLE,
     group_members,
     kill_owned,

@@ -1,4 +1,4 @@
-"""broker.files: a file replaced whole, with the permissions asked for, and nothing left behind on failure."""
+"""host.files: a file replaced whole, with the permissions asked for, and nothing left behind on failure."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from broker.files import write_atomic
+from host.files import write_atomic
 
 
 def test_replaces_the_file_whole_with_the_mode_asked_for(tmp_path):
