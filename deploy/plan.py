@@ -85,6 +85,13 @@ optimizer allocates one bucket of ``reduce_bucket_size`` (5e8 by default)
 elements in the gradients' dtype (1 GB in bf16) per GPU, whatever the
 model's size; it comes out of the runtime allowance and the headroom
 (``bench/plan_cpu.py`` measures it and sets it apart).
+
+What ``tandem plan`` answers (``search``): on the GPUs it is given, the
+first configuration that fits, varying what the user left open: the
+rollout's tensor-parallel size (separate rollout GPUs only), offload, the
+ZeRO stage (``candidates`` gives the order). Only when none fits does it
+look further, and then at more GPUs only (``smallest_fit``), so it never
+answers "does not fit" on the GPUs it names as the fit.
 """
 
 from __future__ import annotations
@@ -104,7 +111,7 @@ HEADROOM = 0.9
 ROLLOUT_FRACTION = RolloutSettings.model_fields["gpu_memory_utilization"].default
 """Fraction of a rollout GPU's memory vLLM takes (``gpu_memory_utilization``): the rollout budget."""
 ROLLOUT_GPU_COUNTS = (1, 2, 4, 8)
-"""Tensor-parallel sizes ``smallest_rollout`` tries (one rollout container has at most 8 GPUs)."""
+"""Tensor-parallel sizes ``candidates`` tries for a separate rollout replica (a container has at most 8 GPUs)."""
 GPU_MEMORY_GB: dict[str, float] = {
     "H100": 80, "H200": 141, "A100-80GB": 80, "A100-40GB": 40, "L40S": 48, "A10": 24, "L4": 24, "B200": 180,
 }
@@ -222,6 +229,13 @@ class Plan(BaseModel):
         return f"{self.gpus}x{self.gpu}, ZeRO-{self.zero_stage}{off}"
 
     @property
+    def choice(self) -> str:
+        """The settings ``tandem plan`` searches, as it reports them: ZeRO stage, offload, vLLM's
+        tensor-parallel size."""
+        off = "offload" if self.offload else "no offload"
+        return f"ZeRO-{self.zero_stage}, {off}, vLLM tensor-parallel over {self.rollout_gpus}"
+
+    @property
     def label(self) -> str:
         where = "colocated" if self.colocated else f"rollout {self.rollout_gpus}x{self.rollout_gpu} per server"
         return f"{self.learner_label}; {where}"
@@ -335,38 +349,65 @@ def plan(
     )
 
 
-def smallest_rollout(p: ModelPreset, mode: Mode | str, gpu: str, **kwargs) -> int | None:
-    """The fewest GPUs of ``gpu``'s type one rollout replica must be tensor-parallel over (1, 2, 4
-    or 8) for its weights and KV cache to fit vLLM's budget; None when 8 do not. ``kwargs`` go to
-    ``plan`` (its learner settings do not matter here)."""
-    kind, _ = parse_gpus(gpu)
-    for key in ("zero_stage", "offload", "rollout_gpus", "colocated"):
-        kwargs.pop(key, None)
-    for r in ROLLOUT_GPU_COUNTS:
-        if plan(p, mode, f"1x{kind}", zero_stage=3, rollout_gpus=f"{r}x{kind}", **kwargs).rollout_fits:
-            return r
-    return None
+def candidates(
+    p: ModelPreset,
+    mode: Mode | str,
+    gpus: str,
+    *,
+    zero_stage: int | None = None,
+    offload: bool | None = None,
+    rollout_gpus: str | None = None,
+    colocated: bool = False,
+    **kwargs,
+) -> list[Plan]:
+    """Every configuration on exactly ``gpus`` with what the caller left open (None) varied, in the order
+    tandem prefers them: the fewest rollout GPUs (separate layout; 1, 2, 4 or 8 of the learner's type,
+    tensor-parallel; colocated, vLLM is tensor-parallel over all of ``gpus``), then no offload before offload
+    (offload trades step time for memory), then ZeRO stages from low (less communication) to high.
+    ``kwargs`` go to ``plan``."""
+    kind, _ = parse_gpus(gpus)
+    if colocated or rollout_gpus is not None:
+        rollouts: list[str | None] = [rollout_gpus]
+    else:
+        rollouts = [f"{r}x{kind}" for r in ROLLOUT_GPU_COUNTS]
+    offloads = [False, True] if offload is None else [offload]
+    found = []
+    for r in rollouts:
+        for off in offloads:
+            stages = [zero_stage] if zero_stage is not None else [1, 2, 3] if off else [0, 1, 2, 3]
+            found += [plan(p, mode, gpus, zero_stage=z, offload=off, rollout_gpus=r, colocated=colocated, **kwargs)
+                      for z in stages]
+    return found
 
 
-def smallest_fit(p: ModelPreset, mode: Mode | str, gpu: str, *, offload: bool = False, **kwargs) -> Plan | None:
+def search(p: ModelPreset, mode: Mode | str, gpus: str, **kwargs) -> Plan:
+    """``tandem plan``'s answer on exactly ``gpus``: the first of ``candidates`` that fits, else the nearest
+    miss (the least overshoot of the learner's or vLLM's budget, whichever is worse). ``kwargs`` go to
+    ``candidates``."""
+    found = candidates(p, mode, gpus, **kwargs)
+    return next((c for c in found if c.fits), None) or min(found, key=overshoot)
+
+
+def overshoot(c: Plan) -> float:
+    """How far ``c`` is over its budgets, as the larger ratio of need to budget (at most 1 when it fits)."""
+    return max(c.total / c.budget, c.rollout / c.rollout_budget)
+
+
+def smallest_fit(
+    p: ModelPreset, mode: Mode | str, gpu: str, *, offload: bool | None = False, more_than: int = 0, **kwargs
+) -> Plan | None:
     """The first plan that fits, trying 1, 2, 4, 8 and 16 GPUs of ``gpu``'s
-    type (its count is ignored) and, at each count, ZeRO stages from low
-    (less communication) to high. Offload is tried only when ``offload`` is
-    set (then at stages 1 to 3): it trades step time for memory, a choice
-    left to the caller. Separate rollout GPUs (unless ``colocated``): the
-    rollout replica gets ``rollout_gpus`` if given, else the fewest that fit
-    (``smallest_rollout``). ``kwargs`` go to ``plan``. None when 16 GPUs (or
-    8 rollout GPUs) do not suffice."""
+    type (its count is ignored), those above ``more_than`` only, and at each
+    count the configurations of ``candidates``. Offload is tried only when
+    ``offload`` is set (True: only with it; None: without first): it trades
+    step time for memory, a choice left to the caller. ``kwargs`` go to
+    ``candidates`` (a ``zero_stage`` or ``rollout_gpus`` given holds at every
+    count). None when 16 GPUs (or 8 rollout GPUs) do not suffice."""
     kind, _ = parse_gpus(gpu)
-    kwargs.pop("zero_stage", None)
-    if not kwargs.get("colocated") and kwargs.get("rollout_gpus") is None:
-        r = smallest_rollout(p, mode, kind, **kwargs)
-        if r is None:
-            return None
-        kwargs["rollout_gpus"] = f"{r}x{kind}"
     for n in GPU_COUNTS:
-        for z in (1, 2, 3) if offload else (0, 1, 2, 3):
-            candidate = plan(p, mode, f"{n}x{kind}", zero_stage=z, offload=offload, **kwargs)
-            if candidate.fits:
-                return candidate
+        if n > more_than:
+            found = candidates(p, mode, f"{n}x{kind}", offload=offload, **kwargs)
+            fit = next((c for c in found if c.fits), None)
+            if fit is not None:
+                return fit
     return None

@@ -31,12 +31,13 @@ checks that layout against the table's upper bounds.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
 
 from deploy.cli import app
-from deploy.plan import Mode, parse_gpus, plan, smallest_fit
+from deploy.plan import Mode, candidates, parse_gpus, plan, smallest_fit
 from deploy.presets import PRESETS, preset
 
 
@@ -230,18 +231,25 @@ def test_cli_exit_codes_and_json():
     ok = runner.invoke(app, [*base, "--gpus", "4xH100"])
     assert ok.exit_code == 0, ok.output
     assert "optimizer" in ok.output and "fits" in ok.output
-    no = runner.invoke(app, [*base, "--gpus", "H100:1", "--json"])
+    no = runner.invoke(app, [*base, "--gpus", "H100:1", "--no-offload", "--json"])
     assert no.exit_code == 2, no.output
     out = json.loads(no.output)
     assert out["fits"] is False and out["gpus"] == 1 and out["total"] > out["budget"] == 72.0
+    assert (out["pinned"], out["offload"]) == (["--no-offload"], False)
     assert out["smallest_fit"] == "4xH100, ZeRO-2; rollout 1xH100 per server"
+    assert out["fits_if_searched"] == "ZeRO-1, offload, vLLM tensor-parallel over 1"
     assert (out["rollout_gpus"], out["rollout_fits"], out["rollout_budget"]) == (1, True, 68.0)
-    # a 32B policy does not fit one 80 GB rollout GPU (64 GB of weights, vLLM takes 85%): two do
+    # offload left open, the search takes it: the optimizer state on CPU leaves one H100 enough
+    searched = json.loads(runner.invoke(app, [*base, "--gpus", "H100:1", "--json"]).output)
+    assert (searched["fits"], searched["zero_stage"], searched["offload"], searched["pinned"]) == (True, 1, True, [])
+    # a 32B policy does not fit one 80 GB rollout GPU (64 GB of weights, vLLM takes 85%): the search gives the
+    # replica two; pinned to one, nothing fits at any learner size, and the answer says what would
     olmo = ["plan", "--model", "olmo-3-1125-32b", "--mode", "lora", "--gpus", "2xH100", "--zero-stage", "3", "--json"]
-    one = json.loads(runner.invoke(app, olmo).output)
-    assert (one["rollout_fits"], one["fits"], one["smallest_fit"]) == (False, False,
-                                                                      "2xH100, ZeRO-3; rollout 2xH100 per server")
-    assert runner.invoke(app, [*olmo, "--rollout-gpus", "2xH100"]).exit_code == 0
+    two = runner.invoke(app, olmo)
+    assert two.exit_code == 0 and (json.loads(two.output)["rollout_gpus"], json.loads(two.output)["fits"]) == (2, True)
+    one = json.loads(runner.invoke(app, [*olmo, "--rollout-gpus", "1xH100"]).output)
+    assert (one["rollout_fits"], one["fits"], one["smallest_fit"]) == (False, False, None)
+    assert one["fits_if_searched"] == "ZeRO-3, no offload, vLLM tensor-parallel over 2"
     # without checkpointing every layer's activations stay: 8B LoRA no longer fits on one H100
     lora = ["plan", "--model", "qwen3-8b-base", "--mode", "lora", "--gpus", "1xH100", "--json"]
     assert runner.invoke(app, lora).exit_code == 0
@@ -261,3 +269,65 @@ def test_cli_errors_name_the_valid_choices():
     assert bad_model.exit_code == 1 and "valid: Qwen3-4B-Base" in bad_model.output
     bad_gpu = runner.invoke(app, ["plan", "--model", "qwen3-4b-base", "--gpus", "2xV100"])
     assert bad_gpu.exit_code == 1 and "unknown GPU type 'V100'" in bad_gpu.output
+
+
+ANSWER = re.compile(r"fits: (\d+)x(\S+), ZeRO-(\d), (no offload|offload), vLLM tensor-parallel over (\d+)")
+"""``tandem plan``'s line for a fit: the GPUs, and the stage, offload and tensor-parallel size it found."""
+
+
+def answer(*args: str) -> tuple[int, str]:
+    """``tandem plan``'s exit code and its text output, rich's line wrapping undone."""
+    result = runner.invoke(app, ["plan", *args])
+    return result.exit_code, " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(("model", "mode", "upper", "offload"), UPPER_BOUNDS)
+def test_cli_finds_a_fit_for_every_upper_bound_at_2048_tokens(model, mode, upper, offload):
+    # issue 33: the CLI tried only the default ZeRO stage (2 for LoRA on several GPUs) and said "does not fit"
+    # where another stage fits; left open, the stage, offload (Qwen3-4B full) and vLLM's TP are searched
+    code, out = answer("--model", model, "--mode", mode, "--gpus", upper, "--colocated", "--max-tokens", "2048")
+    assert code == 0 and "does not fit" not in out, out
+    m = ANSWER.search(out)
+    assert m, out
+    n, gpu, z, off, tp = m.groups()
+    assert f"{n}x{gpu}" == upper and int(tp) == int(n)  # colocated: vLLM over all the run's GPUs
+    assert (off == "offload") == offload
+    named = plan(preset(model), mode, upper, zero_stage=int(z), offload=off == "offload", colocated=True,
+                 max_tokens=2048)
+    assert named.fits and f"{named.total:.1f}" in out
+
+
+def test_cli_olmo_32b_lora_on_four_h100_fits_at_zero_3():
+    # the reported case: ZeRO-2 (LoRA's default on several GPUs) keeps the 64 GB base whole on every GPU
+    args = ["--model", "OLMo-3-1125-32B", "--mode", "lora", "--gpus", "4xH100", "--colocated", "--max-tokens", "2048"]
+    code, out = answer(*args)
+    assert code == 0 and "does not fit" not in out, out
+    assert "fits: 4xH100, ZeRO-3, no offload, vLLM tensor-parallel over 4" in out
+    # pinned to ZeRO-2 it does not fit, and the answer says the stage is what stands in the way, not the GPUs
+    code, out = answer(*args, "--zero-stage", "2")
+    assert code == 2, out
+    assert "without --zero-stage it fits here: ZeRO-3, no offload, vLLM tensor-parallel over 4" in out
+    assert "smallest that fits" not in out and "no fit up to 16xH100 with --zero-stage as given" in out
+
+
+@pytest.mark.parametrize(("model", "mode", "gpus", "pin"), [
+    ("olmo-3-1125-32b", "full", "2xH100", []),
+    ("qwen3-30b-a3b-base", "lora", "1xH100", []),
+    ("qwen3-14b-base", "lora", "1xL40S", []),
+    ("qwen3-8b-base", "lora", "1xL4", []),
+    ("qwen3-30b-a3b-base", "full", "8xH100", ["--no-offload"]),  # test_moe_full_needs_more_than_eight
+    ("qwen3-8b-base", "full", "3xH100", ["--no-offload"]),  # a count smallest_fit does not try
+])
+def test_cli_a_real_non_fit_names_more_gpus(model, mode, gpus, pin):
+    args = ["--model", model, "--mode", mode, "--gpus", gpus, "--colocated", "--max-tokens", "2048", *pin]
+    code, out = answer(*args)
+    assert code == 2 and ANSWER.search(out) is None, out
+    given = parse_gpus(gpus)
+    m = re.search(r"does not fit on (\S+).*; smallest that fits: (\d+)x(\S+), ZeRO-(\d)", out)
+    assert m and m.group(1) == gpus, out
+    assert m.group(3).rstrip(",") == given[0] and int(m.group(2)) > given[1], out
+    # the search on the given GPUs really found nothing: every stage (and offload unless pinned off) misses
+    assert not any(c.fits for c in candidates(preset(model), mode, gpus, colocated=True, max_tokens=2048,
+                                              offload=False if pin else None))
+    smallest = json.loads(runner.invoke(app, ["plan", *args, "--json"]).output)["smallest_fit"]
+    assert parse_gpus(smallest.split(",")[0])[1] > given[1]
