@@ -623,9 +623,10 @@ def plan(
     gpus: Annotated[str, typer.Option(help="The learner's GPUs as Modal spells them: 8xH100 or H100:8.")] = "1xH100",
     rollout_gpus: Annotated[str | None, typer.Option(
         "--rollout-gpus", help="GPUs of one rollout server's model replica (vLLM tensor parallel), separate from the "
-        "learner's as on Modal; default: one of the learner's type.")] = None,
+        "learner's as on Modal; default: the fewest of the learner's type that fit (1, 2, 4 or 8).")] = None,
     colocated: Annotated[bool, typer.Option(
-        "--colocated", help="The rollout engine shares the learner's GPUs (one machine running both).")] = False,
+        "--colocated", help="The rollout engine shares the learner's GPUs (one machine running both; vLLM "
+        "tensor-parallel over all of them).")] = False,
     group_size: Annotated[int, typer.Option("--group-size", help="Completions per prompt (G).")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens per completion (L).")] = 1024,
     micro_batch_tokens: Annotated[int | None, typer.Option(
@@ -633,33 +634,45 @@ def plan(
     logit_chunk_tokens: Annotated[int | None, typer.Option(
         "--logit-chunk-tokens", help="learner.logit_chunk_tokens: tokens whose logits the learner holds at once "
         "(default: the learner's).")] = None,
-    zero_stage: Annotated[int | None, typer.Option("--zero-stage", help="ZeRO stage (default 3 for full, 0/2 for LoRA).")] = None,
-    offload: Annotated[bool, typer.Option("--offload", help="Optimizer state (and, at ZeRO-3, parameters) on CPU.")] = False,
+    zero_stage: Annotated[int | None, typer.Option(
+        "--zero-stage", help="ZeRO stage 0-3 (default: the lowest that fits).")] = None,
+    offload: Annotated[bool | None, typer.Option(
+        "--offload/--no-offload", help="Optimizer state (and, at ZeRO-3, parameters) on CPU, or never (default: "
+        "without if anything fits so, else with).")] = None,
     no_checkpointing: Annotated[bool, typer.Option("--no-checkpointing", help="Plan without activation checkpointing.")] = False,
     beta: Annotated[float, typer.Option(help="loss.beta; above 0 a full run holds a reference model.")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
 ) -> None:
-    """Estimate per-GPU memory of a GRPO run; exit 0 if it fits, 2 if not (1 on bad input)."""
+    """Estimate per-GPU memory of a GRPO run on --gpus, searching what is not given (ZeRO stage, offload, the
+    rollout's tensor-parallel size) for a setting that fits; exit 0 if one does, 2 if not (then name a larger
+    configuration that fits), 1 on bad input."""
     import json
 
     from deploy import plan as planner
     from deploy.presets import preset
 
+    options = {"--zero-stage": zero_stage, "--offload" if offload else "--no-offload": offload,
+               "--rollout-gpus": rollout_gpus}
+    pinned = [name for name, value in options.items() if value is not None]  # the rest is searched
     try:
         p = preset(model)
         kwargs = dict(group_size=group_size, max_tokens=max_tokens, checkpointing=not no_checkpointing, beta=beta,
                       micro_batch_tokens=planner.MICRO_BATCH_TOKENS if micro_batch_tokens is None else micro_batch_tokens,
                       logit_chunk_tokens=planner.LOGIT_CHUNK_TOKENS if logit_chunk_tokens is None else logit_chunk_tokens,
-                      rollout_gpus=rollout_gpus, colocated=colocated)
-        result = planner.plan(p, mode, gpus, zero_stage=zero_stage, offload=offload, **kwargs)
-        smallest = None if result.fits else planner.smallest_fit(p, mode, gpus, offload=offload, **kwargs)
+                      zero_stage=zero_stage, offload=offload, rollout_gpus=rollout_gpus, colocated=colocated)
+        result = planner.search(p, mode, gpus, **kwargs)
+        # the hint is strictly larger than --gpus: on these GPUs nothing left open fits
+        smallest = None if result.fits else planner.smallest_fit(p, mode, gpus, more_than=result.gpus, **kwargs)
+        # what was given may be all that stands in the way on these GPUs
+        free = planner.search(p, mode, gpus, **kwargs | dict(zero_stage=None, offload=None, rollout_gpus=None))
+        searched = free.choice if pinned and free.fits and not result.fits else None
     except ValueError as e:
         _fail(str(e), code=1)  # 2 means "does not fit"
     if as_json:
         out = result.model_dump(mode="json") | {
             "activations": result.activations, "total": result.total, "budget": result.budget, "fits": result.fits,
             "rollout": result.rollout, "rollout_budget": result.rollout_budget, "rollout_fits": result.rollout_fits,
-            "smallest_fit": smallest.label if smallest else None,
+            "pinned": pinned, "fits_if_searched": searched, "smallest_fit": smallest.label if smallest else None,
         }
         typer.echo(json.dumps(out, indent=2))
     else:
@@ -688,11 +701,16 @@ def plan(
                           f"{result.rollout_budget:.1f}")
         console = Console()
         console.print(table)
+        given = f" with {', '.join(pinned)} as given" if pinned else ""
         if result.fits:
-            console.print("[green]fits[/green]")
+            console.print(f"[green]fits[/green]: {result.gpus}x{result.gpu}, {result.choice}{given}")
         else:
-            hint = f"smallest that fits: {smallest.label}" if smallest else f"no fit up to 16x{result.gpu}"
-            console.print(f"[red]does not fit[/red]; {hint}")
+            hint = (f"smallest that fits: {smallest.label} ({smallest.choice})" if smallest
+                    else f"no fit up to 16x{result.gpu}{given}")
+            if searched:
+                hint = f"without {', '.join(pinned)} it fits here: {searched}; {hint}"
+            console.print(f"[red]does not fit[/red] on {result.gpus}x{result.gpu}{given} (nearest: {result.choice}); "
+                          f"{hint}")
     raise typer.Exit(0 if result.fits else 2)
 
 
