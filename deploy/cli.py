@@ -14,7 +14,18 @@ from typing import Annotated
 
 import typer
 
+from deploy.client import (
+    control,
+    fail,
+    http_error,
+    load_settings,
+    on_redis,
+    redis_url,
+    runs_dir,
+    stack_dir,
+)
 from deploy.prompts import app as prompts_app
+from deploy.settings_reference import SETTINGS_REFERENCE, settings_classes, settings_reference
 
 app = typer.Typer(
     name="tandem",
@@ -41,42 +52,8 @@ SERVICE_PACKAGES = {
 }
 
 
-def settings_classes() -> dict[str, type]:
-    """Each process's settings class by name (light modules: pydantic only)."""
-    from control_plane.settings import ControlSettings
-    from deploy.settings import ClientSettings, StackSettings
-    from learner.settings import LearnerSettings
-    from reward_server.settings import RewardSettings
-    from rollout_server.settings import RolloutSettings
-
-    return {"control": ControlSettings, "rollout": RolloutSettings, "reward": RewardSettings,
-            "learner": LearnerSettings, "stack": StackSettings, "client": ClientSettings}
-
-
-def _settings(name: str, **overrides):
-    """``name``'s settings from the environment (checked against every class) and CLI overrides."""
-    from pydantic import ValidationError
-
-    from services.settings import SettingsError, check_environment
-
-    classes = settings_classes()
-    try:
-        check_environment(classes.values())
-        return classes[name](**{k: v for k, v in overrides.items() if v is not None})
-    except SettingsError as e:
-        _fail(str(e))
-    except ValidationError as e:
-        _fail(f"settings of {name}: " + "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(message, fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 @app.command()
@@ -95,94 +72,17 @@ def serve(
     from services.config import ConfigError, load_run_config
 
     if model is not None and name is not ServiceName.rollout:
-        _fail("--model is for `tandem serve rollout`")
-    settings = _settings(name.value, host=host, port=port, model=model)
+        fail("--model is for `tandem serve rollout`")
+    settings = load_settings(name.value, host=host, port=port, model=model)
     try:
         settings.check_auth_safe()
         run_config = load_run_config(config) if config else None
     except (ConfigError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     package = importlib.import_module(SERVICE_PACKAGES[name])
     if not hasattr(package, "serve"):
-        _fail(f"service {name.value!r} is not available in this build")
+        fail(f"service {name.value!r} is not available in this build")
     package.serve(settings, run_config)
-
-
-SETTINGS_REFERENCE = "docs/settings.md"
-"""Where ``tandem config --markdown`` is committed (a test compares the two)."""
-
-
-def _markdown_default(name: str, field) -> str:
-    """A field's default as the environment would spell it."""
-    from pydantic_core import PydanticUndefined
-
-    value = field.default_factory() if field.default is PydanticUndefined else field.default
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return f"`{str(value).lower()}`"
-    if isinstance(value, dict | list):
-        import json
-
-        return f"`{json.dumps(value)}`"
-    text = f"`{value}`"
-    if isinstance(value, int) and name.endswith("_bytes"):
-        unit = next(((u, s) for u, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)) if value and not value % (1 << s)), None)
-        text += f" ({value >> unit[1]} {unit[0]})" if unit else ""
-    return text
-
-
-def settings_reference(names: list[str] | None = None) -> str:
-    """The settings reference in Markdown, generated from the settings classes (``tandem config --markdown``).
-
-    One section per settings class, base classes first (what every service reads, then what a rollout
-    server and the learner share), each with its own fields: the variable, its type as declared, its
-    default and the field's docstring. Nothing here reads the environment, so the page is the same on
-    every machine.
-    """
-    import re
-
-    from pydantic_settings import BaseSettings
-
-    classes = settings_classes()
-    readers: dict[type, list[str]] = {}
-    for key, cls in classes.items():
-        if names is None or key in names:
-            for base in reversed(cls.__mro__):
-                if issubclass(base, BaseSettings) and base is not BaseSettings:
-                    readers.setdefault(base, []).append(key)
-
-    def cell(text: str) -> str:
-        return re.sub(r"``([^`]+)``", r"`\1`", " ".join(text.split())).replace("|", "\\|")
-
-    lines = [
-        "# Settings reference",
-        "",
-        "<!-- Generated from the settings classes by `tandem config --markdown`; do not edit by hand. -->",
-        f"<!-- Regenerate: .venv/bin/tandem config --markdown > {SETTINGS_REFERENCE} -->",
-        "",
-        "Each process reads `TANDEM_*` environment variables (and `REDIS_URL`, the one name outside the",
-        "prefix); nothing else in the environment changes its behaviour. A `TANDEM_*` variable that no",
-        "class below declares stops the CLI at start-up, naming the closest one. `tandem config [NAME]`",
-        "prints the effective values as JSON, secrets masked. Lists and mappings are given as JSON.",
-    ]
-    for cls, keys in readers.items():
-        prefix = cls.model_config.get("env_prefix", "")
-        summary = (cls.__doc__ or "").strip().split("\n\n")[0]
-        module = cls.__module__.replace(".", "/") + ".py"
-        lines += ["", f"## {cls.__name__} (`{module}`)", "",
-                  f"{cell(summary)} Part of `tandem config {' | '.join(keys)}`.",
-                  "", "| variable | type | default | what it does |", "|---|---|---|---|"]
-        for field_name, annotation in vars(cls).get("__annotations__", {}).items():
-            field = cls.model_fields.get(field_name)
-            if field is None:
-                continue
-            alias = field.validation_alias
-            variable = alias if isinstance(alias, str) else f"{prefix}{field_name}".upper()
-            declared = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-            lines.append(f"| `{variable}` | `{cell(declared)}` | {cell(_markdown_default(field_name, field))} "
-                         f"| {cell(field.description or '')} |")
-    return "\n".join(lines) + "\n"
 
 
 @app.command()
@@ -199,13 +99,13 @@ def config(
 
     classes = settings_classes()
     if name is not None and name not in classes:
-        _fail(f"no settings named {name!r} (choose from {', '.join(classes)})")
+        fail(f"no settings named {name!r} (choose from {', '.join(classes)})")
     if markdown:
         typer.echo(settings_reference([name] if name else None), nl=False)
         return
     out = {}
     for key in [name] if name else classes:
-        settings = _settings(key)
+        settings = load_settings(key)
         out[key] = settings.masked() if hasattr(settings, "masked") else settings.model_dump(mode="json")
     typer.echo(json.dumps(out[name] if name else out, indent=2))
 
@@ -213,7 +113,7 @@ def config(
 @app.command()
 def run(
     config: Annotated[Path, typer.Argument(help="Run config (TOML), e.g. examples/arith/run.toml.")],
-    runs_root: Annotated[Path, typer.Option("--runs", help="Where run directories go.")] = Path("runs"),
+    runs_root: Annotated[Path | None, typer.Option("--runs", help="Where run directories go (default: TANDEM_RUN_DIR, else runs).")] = None,
 ) -> None:
     """The main job: start the stack, evaluate, train with GRPO, evaluate, write a report, stop."""
     import signal
@@ -225,14 +125,14 @@ def run(
     try:
         run_config = load_run_config(config)
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C: its services with it
     try:
-        run_dir = run_job(config, run_config, _settings("stack"), runs_root)
+        run_dir = run_job(config, run_config, load_settings("stack"), runs_dir(runs_root))
     except (JobError, StackError) as e:
-        _fail(f"tandem run failed: {e}", code=1)
+        fail(f"tandem run failed: {e}", code=1)
     except KeyboardInterrupt:
-        _fail(f"tandem run stopped: interrupted; its services are stopped, its files are under {runs_root}", code=130)
+        fail(f"tandem run stopped: interrupted; its services are stopped, its files are under {runs_dir(runs_root)}", code=130)
     typer.echo(str(run_dir))
 
 
@@ -248,7 +148,7 @@ def bootstrap_model(
     from examples.arith.bootstrap import SFT_STEPS, bootstrap
 
     if not data.exists():
-        _fail(f"{data}: no such prompt set")
+        fail(f"{data}: no such prompt set")
     steps = steps or SFT_STEPS
     with progress_bar("bootstrap SFT", total=steps) as update:
         path = bootstrap(out, data, steps=steps, seed=seed, progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))
@@ -258,7 +158,7 @@ def bootstrap_model(
 @app.command()
 def up(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Run config the stack serves.")] = None,
-    run_dir: Annotated[Path, typer.Option(help="Where logs, weights and Redis data go.")] = Path("runs/stack"),
+    run_dir: Annotated[Path | None, typer.Option(help="Where logs, weights, Redis data and stack.json go (default: TANDEM_RUN_DIR, else runs/stack).")] = None,
     only: Annotated[str | None, typer.Option(help="Comma-separated subset of services to start.")] = None,
 ) -> None:
     """Start embedded Redis and every service, supervise them until Ctrl-C."""
@@ -270,8 +170,8 @@ def up(
     services = tuple(s.strip() for s in only.split(",")) if only else SERVICES
     unknown = set(services) - set(SERVICES)
     if unknown:
-        _fail(f"--only: unknown services {sorted(unknown)} (choose from {', '.join(SERVICES)})")
-    stack = Stack(run_dir, _settings("stack"), config=config, services=tuple(s for s in SERVICES if s in services))
+        fail(f"--only: unknown services {sorted(unknown)} (choose from {', '.join(SERVICES)})")
+    stack = Stack(stack_dir(run_dir), load_settings("stack"), config=config, services=tuple(s for s in SERVICES if s in services))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack like Ctrl-C
     try:
         stack.start()
@@ -280,40 +180,11 @@ def up(
         typer.secho(f"tandem is up: {urls} (token in {info})", fg=typer.colors.GREEN)
         stack.supervise()
     except StackError as e:
-        _fail(str(e), code=1)
+        fail(str(e), code=1)
     except KeyboardInterrupt:
         typer.echo("stopping ...")
     finally:
         stack.stop()
-
-
-def _control(url: str | None, run_dir: Path = Path("runs/stack")):
-    """A control-plane client: --url / TANDEM_URL, else the local stack's stack.json."""
-    import json
-
-    from services.clients import ControlClient
-
-    settings = _settings("client")
-    token = settings.token.get_secret_value() if settings.token else None
-    url = url or settings.url
-    info = run_dir / "stack.json"
-    if url is None and info.exists():
-        stack = json.loads(info.read_text())
-        url, token = stack["urls"]["control"], token or stack["token"]
-    return ControlClient(url or "http://127.0.0.1:8000", token, attempts=3)
-
-
-def _http_error(e) -> str:
-    import httpx
-
-    if isinstance(e, httpx.HTTPStatusError):
-        try:
-            body = e.response.json()
-            detail = body.get("message") or body.get("detail")
-        except ValueError:
-            detail = e.response.text
-        return f"{e.response.status_code} from {e.request.url.path}: {detail}"
-    return f"cannot reach the control plane: {e}"
 
 
 @app.command()
@@ -337,14 +208,14 @@ def submit(
     try:
         run_config = load_run_config(config)
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     if (prompts is None) == (prompt_set is None):
-        _fail("give a prompt-set file or --prompt-set ID (one of them)")
+        fail("give a prompt-set file or --prompt-set ID (one of them)")
     if prompts is not None and not prompts.exists():
-        _fail(f"{prompts}: no such file")
+        fail(f"{prompts}: no such file")
 
     async def go():
-        async with _control(url) as client:
+        async with control(url) as client:
             if prompt_set is not None:
                 info = await client.prompt_set(prompt_set)
             else:
@@ -354,13 +225,13 @@ def submit(
                 held_out = (await client.upload_prompt_set(run_config.data.eval.read_bytes(),
                                                            run_config.reward.type)).id
             created = await client.create_run(info.id, run_config.model_dump(mode="json"), held_out,
-                                              client_run_dir=str(_settings("client").run_dir.resolve()))
+                                              client_run_dir=str(load_settings("client").run_dir.resolve()))
             return info, created
 
     try:
         info, created = asyncio.run(go())
     except httpx.HTTPError as e:
-        _fail(_http_error(e), code=1)
+        fail(http_error(e), code=1)
     typer.echo(f"prompt set {info.id}: {info.count} prompts; run {created.run_id}: {created.groups} groups queued",
                err=True)
     typer.echo(created.run_id)
@@ -377,14 +248,14 @@ def status(
     import time
 
     import httpx
-    from rich.console import Console
     from rich.live import Live
 
+    from deploy.progress import console
     from deploy.report import runs_table, status_table
     from services.run_states import TERMINAL_STATES
 
     async def fetch():
-        async with _control(url) as client:
+        async with control(url) as client:
             if run_id is None:
                 return runs_table(await client.runs())
             st = await client.run_status(run_id)
@@ -402,11 +273,11 @@ def status(
 
     try:
         if run_id is None:
-            Console().print(asyncio.run(fetch()))
+            console().print(asyncio.run(fetch()))
             return
         table, done = asyncio.run(fetch())
         if not watch:
-            Console().print(table)
+            console().print(table)
             return
         with Live(table, refresh_per_second=2) as live:
             while not done:
@@ -414,7 +285,7 @@ def status(
                 table, done = asyncio.run(fetch())
                 live.update(table)
     except httpx.HTTPError as e:
-        _fail(_http_error(e), code=1)
+        fail(http_error(e), code=1)
 
 
 @app.command()
@@ -425,18 +296,18 @@ def runs(
     import asyncio
 
     import httpx
-    from rich.console import Console
 
+    from deploy.progress import console
     from deploy.report import runs_table
 
     async def fetch():
-        async with _control(url) as client:
+        async with control(url) as client:
             return await client.runs()
 
     try:
-        Console().print(runs_table(asyncio.run(fetch())))
+        console().print(runs_table(asyncio.run(fetch())))
     except httpx.HTTPError as e:
-        _fail(_http_error(e), code=1)
+        fail(http_error(e), code=1)
 
 
 @app.command()
@@ -450,13 +321,13 @@ def stop(
     import httpx
 
     async def go():
-        async with _control(url) as client:
+        async with control(url) as client:
             return await client.stop_run(run_id)
 
     try:
         record = asyncio.run(go())
     except httpx.HTTPError as e:
-        _fail(_http_error(e), code=1)
+        fail(http_error(e), code=1)
     typer.echo(f"run {record.run_id}: {record.state}")
 
 
@@ -464,7 +335,7 @@ def stop(
 def audit(
     target: Annotated[str, typer.Argument(help="A run directory (runs/<run_id>) or ledger.jsonl; or a run id of a "
                                                "running stack.")],
-    run_dir: Annotated[Path, typer.Option(help="The running stack's directory (for a run id).")] = Path("runs/stack"),
+    run_dir: Annotated[Path | None, typer.Option(help="The running stack's directory, for a run id (default: TANDEM_RUN_DIR, else runs/stack).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
 ) -> None:
     """Check a run's trajectory ledger: every group accounted for once, none trained twice, staleness within
@@ -479,15 +350,15 @@ def audit(
         try:
             verdict = audit_file(path)
         except FileNotFoundError as e:
-            _fail(str(e))
+            fail(str(e))
     else:
         from broker import Keys
         from broker.ledger import Ledger
 
-        url = _stack_redis_url(target, run_dir, f"{target}: no such file or directory")
-        entries = _on_redis(url, lambda redis: Ledger(redis, Keys(target)).read())
+        url = redis_url(target, run_dir, f"{target}: no such file or directory")
+        entries = on_redis(url, lambda redis: Ledger(redis, Keys(target)).read())
         if not entries:
-            _fail(f"run {target}: its ledger is empty (unknown run?)", code=1)
+            fail(f"run {target}: its ledger is empty (unknown run?)", code=1)
         verdict = check(entries)
     report = verdict.as_dict()
     if as_json:
@@ -495,43 +366,6 @@ def audit(
     else:
         _print_audit(report)
     raise typer.Exit(0 if verdict.ok else 1)
-
-
-def _stack_redis_url(run_id: str, run_dir: Path, not_found: str) -> str:
-    """The Redis URL holding run ``run_id``'s streams: REDIS_URL, else the running stack's in ``run_dir``.
-    Exits 2 naming ``not_found`` when ``run_id`` is not a run id or no Redis is known."""
-    import json
-
-    from broker.keys import check_run_id
-
-    try:
-        check_run_id(run_id)
-    except ValueError as e:
-        _fail(f"{not_found}, and not a run id: {e}")
-    secret = _settings("client").redis_url
-    url = secret.get_secret_value() if secret else None
-    info = run_dir / "stack.json"
-    if not url and info.exists():
-        url = json.loads(info.read_text()).get("redis_url")
-    if not url:
-        _fail(f"{not_found}, and no running stack in {run_dir} (or REDIS_URL) to read run {run_id} from")
-    return url
-
-
-def _on_redis(url: str, read):
-    """``await read(redis)`` on a connection to ``url``, closed afterwards."""
-    import asyncio
-
-    from broker import connect
-
-    async def run():
-        redis = connect(url)
-        try:
-            return await read(redis)
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(run())
 
 
 def _print_audit(r: dict) -> None:
@@ -568,20 +402,21 @@ def export(
     lora: Annotated[str, typer.Option(help="LoRA runs: 'merged' (full weights) or 'adapter' (a PEFT adapter "
                                            "folder; runs with publish.lora_format = 'adapter').")] = "merged",
     max_shard_size: Annotated[str, typer.Option(help="Shard the weights above this size (5GB, 500MB, bytes).")] = "5GB",
-    runs_root: Annotated[Path, typer.Option("--runs", help="Where tandem run leaves run directories.")] = Path("runs"),
-    stack_dir: Annotated[Path, typer.Option(help="The tandem up stack's directory.")] = Path("runs/stack"),
+    runs_root: Annotated[Path | None, typer.Option("--runs", help="Where tandem run leaves run directories (default: TANDEM_RUN_DIR, else runs).")] = None,
+    stack_dir: Annotated[Path | None, typer.Option(help="The tandem up stack's directory (default: TANDEM_RUN_DIR, else runs/stack).")] = None,
 ) -> None:
     """Write a published weight version as a Hugging Face folder (config, tokenizer, safetensors)
     that transformers and vLLM load, or a LoRA run's version as a PEFT adapter folder."""
+    from deploy import client
     from deploy.export import ExportError, choose_version, find_run, parse_size
     from deploy.export import export as write
 
     try:
-        found = find_run(run, runs_root, stack_dir)
+        found = find_run(run, runs_dir(runs_root), client.stack_dir(stack_dir))
         chosen = choose_version(found, version)
         done = write(found, chosen, out, lora=lora, max_shard_bytes=parse_size(max_shard_size))
     except ExportError as e:
-        _fail(str(e), code=1)
+        fail(str(e), code=1)
     typer.echo(f"run {found.run_id} version {chosen} -> {done.path} ({done.kind}: {', '.join(done.files)})", err=True)
     typer.echo(str(done.path))
 
@@ -591,29 +426,66 @@ def trace(
     run: Annotated[str, typer.Argument(help="A run directory (runs/<run_id>) or the id of a run in the running "
                                             "stack's Redis (live or finished).")],
     out: Annotated[Path | None, typer.Option("-o", "--out", help="Where to write (default: trace-<run>.json).")] = None,
-    runs_root: Annotated[Path, typer.Option("--runs", help="Where tandem run leaves run directories.")] = Path("runs"),
-    run_dir: Annotated[Path, typer.Option(help="The running stack's directory (for a run id).")] = Path("runs/stack"),
+    runs_root: Annotated[Path | None, typer.Option("--runs", help="Where tandem run leaves run directories (default: TANDEM_RUN_DIR, else runs).")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="The running stack's directory, for a run id (default: TANDEM_RUN_DIR, else runs/stack).")] = None,
 ) -> None:
     """Write the run's timeline (every service's spans, incidents) as Chrome/Perfetto trace-event JSON: open it in
     ui.perfetto.dev. See docs/trace.md."""
 
     from deploy import trace as tr
 
-    path = Path(run) if Path(run).exists() else runs_root / run
+    path = Path(run) if Path(run).exists() else runs_dir(runs_root) / run
     if path.is_dir() and any([(path / "timeline.jsonl").exists(), *(p.exists() for p in path.glob("*/timeline.jsonl"))]):
         spans, incidents = tr.from_run_dir(path)
         name = path.resolve().name
     else:
-        url = _stack_redis_url(run, run_dir, f"{run}: no run directory with a timeline.jsonl")
-        spans, incidents = _on_redis(url, lambda redis: tr.from_redis(redis, run))
+        url = redis_url(run, run_dir, f"{run}: no run directory with a timeline.jsonl")
+        spans, incidents = on_redis(url, lambda redis: tr.from_redis(redis, run))
         name = run
     if not spans:
-        _fail(f"run {run}: no spans recorded (unknown run?)", code=1)
+        fail(f"run {run}: no spans recorded (unknown run?)", code=1)
     target = out or Path(f"trace-{name}.json")
     trace = tr.write(target, spans, incidents)
     typer.echo(f"{len(spans)} spans, {len(incidents)} incidents over "
                f"{max(s.end for s in spans) - min(s.start for s in spans):.1f} s -> {target} "
                f"({len(trace['traceEvents'])} trace events; open it in https://ui.perfetto.dev)")
+
+
+@app.command()
+def deploy(
+    target: Annotated[str, typer.Argument(help="Where to deploy (modal).")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML) the deployed services serve.")],
+    modal_toml: Annotated[Path | None, typer.Option("--modal-toml", help="TOML file with a [modal] table (GPUs, containers).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the command; deploy nothing.")] = False,
+) -> None:
+    """Deploy the services as a Modal app: `modal deploy -m deploy.modal_app` for this run config (the plan,
+    role by role, is printed first)."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    from deploy.config import describe, load_deploy
+    from services.config import ConfigError, load_run_config
+
+    if target != "modal":
+        fail(f"unknown deploy target {target!r} (choose from: modal)")
+    if modal_toml is not None and not modal_toml.exists():
+        fail(f"{modal_toml}: no such file")
+    try:
+        run_config = load_run_config(config)
+        plan = describe(load_deploy(modal_toml), run_config.name)
+    except (ConfigError, ValueError) as e:
+        fail(str(e))
+    env = {"DEPLOY_RUN_CONFIG": str(config.resolve())}
+    if modal_toml is not None:
+        env["DEPLOY_MODAL_TOML"] = str(modal_toml.resolve())
+    cmd = [sys.executable, "-m", "modal", "deploy", "-m", "deploy.modal_app"]
+    typer.echo("\n".join(plan), err=True)
+    typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), err=True)
+    if dry_run:
+        return
+    raise typer.Exit(subprocess.call(cmd, env={**os.environ, **env}))
 
 
 @app.command()
@@ -667,7 +539,7 @@ def plan(
         free = planner.search(p, mode, gpus, **kwargs | dict(zero_stage=None, offload=None, rollout_gpus=None))
         searched = free.choice if pinned and free.fits and not result.fits else None
     except ValueError as e:
-        _fail(str(e), code=1)  # 2 means "does not fit"
+        fail(str(e), code=1)  # 2 means "does not fit"
     if as_json:
         out = result.model_dump(mode="json") | {
             "activations": result.activations, "total": result.total, "budget": result.budget, "fits": result.fits,
@@ -712,43 +584,6 @@ def plan(
             console.print(f"[red]does not fit[/red] on {result.gpus}x{result.gpu}{given} (nearest: {result.choice}); "
                           f"{hint}")
     raise typer.Exit(0 if result.fits else 2)
-
-
-@app.command()
-def deploy(
-    target: Annotated[str, typer.Argument(help="Where to deploy (modal).")],
-    config: Annotated[Path, typer.Option("--config", "-c", help="Run config (TOML) the deployed services serve.")],
-    modal_toml: Annotated[Path | None, typer.Option("--modal-toml", help="TOML file with a [modal] table (GPUs, containers).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the command; deploy nothing.")] = False,
-) -> None:
-    """Deploy the services as a Modal app: `modal deploy -m deploy.modal_app` for this run config (the plan,
-    role by role, is printed first)."""
-    import os
-    import shlex
-    import subprocess
-    import sys
-
-    from deploy.config import describe, load_deploy
-    from services.config import ConfigError, load_run_config
-
-    if target != "modal":
-        _fail(f"unknown deploy target {target!r} (choose from: modal)")
-    if modal_toml is not None and not modal_toml.exists():
-        _fail(f"{modal_toml}: no such file")
-    try:
-        run_config = load_run_config(config)
-        plan = describe(load_deploy(modal_toml), run_config.name)
-    except (ConfigError, ValueError) as e:
-        _fail(str(e))
-    env = {"DEPLOY_RUN_CONFIG": str(config.resolve())}
-    if modal_toml is not None:
-        env["DEPLOY_MODAL_TOML"] = str(modal_toml.resolve())
-    cmd = [sys.executable, "-m", "modal", "deploy", "-m", "deploy.modal_app"]
-    typer.echo("\n".join(plan), err=True)
-    typer.echo(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(cmd), err=True)
-    if dry_run:
-        return
-    raise typer.Exit(subprocess.call(cmd, env={**os.environ, **env}))
 
 
 def main() -> None:

@@ -125,7 +125,7 @@ def _options(role: str) -> dict:
 
 def _settings(cls):
     """``cls`` from this container's environment, checked as ``tandem serve`` checks it."""
-    from deploy.cli import settings_classes
+    from deploy.settings_reference import settings_classes
     from services.settings import check_environment
 
     check_environment(settings_classes().values())

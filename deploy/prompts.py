@@ -1,7 +1,8 @@
 """``tandem prompts``: import a dataset as a prompt set, list, show and delete stored sets.
 
 Light like ``deploy.cli`` (a test imports the CLI without torch, vllm or datasets): each
-command imports what it needs when it runs. ``import`` reads the dataset with
+command imports what it needs when it runs, and talks to the control plane through
+``deploy.client``. ``import`` reads the dataset with
 ``deploy.datasets`` and streams the lines to the control plane; the control plane validates
 and stores them (all or nothing) as it does an uploaded file.
 """
@@ -40,7 +41,7 @@ def import_(
 
     import httpx
 
-    from deploy.cli import _control, _fail, _http_error
+    from deploy.client import control, fail, http_error
     from deploy.datasets import (
         ImportProblem,
         chunks,
@@ -52,7 +53,7 @@ def import_(
     from services.reward_specs import REWARD_TYPES
 
     if reward is not None and (reward not in REWARD_TYPES or reward == "combined"):
-        _fail(f"--reward {reward}: unknown reward type (choose from "
+        fail(f"--reward {reward}: unknown reward type (choose from "
               f"{', '.join(t for t in REWARD_TYPES if t != 'combined')})")
     try:
         mapping = parse_pairs(map_, "--map")
@@ -61,26 +62,26 @@ def import_(
         lines = prompt_lines(opened, mapping, constants, reward, limit)
         first = next(lines, None)  # a missing column is reported before anything is sent
     except ImportProblem as e:
-        _fail(str(e))
+        fail(str(e))
     if first is None:
-        _fail(f"{source}: no rows to import")
+        fail(f"{source}: no rows to import")
 
     async def body():
         for chunk in chunks(_chain(first, lines)):
             yield chunk
 
     async def go():
-        async with _control(url) as client:
+        async with control(url) as client:
             return await client.upload_prompt_set(body(), reward or "math")
 
     try:
         info = asyncio.run(go())
     except ImportProblem as e:
-        _fail(f"{e} (nothing was stored)")
+        fail(f"{e} (nothing was stored)")
     except httpx.HTTPStatusError as e:
-        _fail(_row_errors(e) or _http_error(e), code=1)
+        fail(_row_errors(e) or http_error(e), code=1)
     except httpx.HTTPError as e:
-        _fail(_http_error(e), code=1)
+        fail(http_error(e), code=1)
     forms = ", ".join(f"{k} {n}" for k, n in sorted(info.forms.items()))
     typer.echo(f"imported {info.count} rows of {opened.description} as prompt set {info.id}"
                + (f" ({forms})" if forms else ""), err=True)
@@ -114,16 +115,16 @@ def _client_call(url: str | None, call):
 
     import httpx
 
-    from deploy.cli import _control, _fail, _http_error
+    from deploy.client import control, fail, http_error
 
     async def go():
-        async with _control(url) as client:
+        async with control(url) as client:
             return await call(client)
 
     try:
         return asyncio.run(go())
     except httpx.HTTPError as e:
-        _fail(_http_error(e), code=1)
+        fail(http_error(e), code=1)
 
 
 def _table(sets, title: str):
@@ -147,13 +148,13 @@ def list_(
     """Stored prompt sets, newest first."""
     import json
 
-    from rich.console import Console
+    from deploy.progress import console
 
     sets = _client_call(url, lambda c: c.prompt_sets())
     if as_json:
         typer.echo(json.dumps([s.model_dump(mode="json") for s in sets], indent=2))
     else:
-        Console().print(_table(sets, "prompt sets"))
+        console().print(_table(sets, "prompt sets"))
 
 
 @app.command()
@@ -163,13 +164,13 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """One stored prompt set: lines, bytes, reward types and prompt forms."""
-    from rich.console import Console
+    from deploy.progress import console
 
     info = _client_call(url, lambda c: c.prompt_set(set_id))
     if as_json:
         typer.echo(info.model_dump_json(indent=2))
     else:
-        Console().print(_table([info], f"prompt set {info.id}"))
+        console().print(_table([info], f"prompt set {info.id}"))
 
 
 @app.command()

@@ -370,9 +370,10 @@ def _allowed(name: str, serve_path: set[str]) -> bool:
 
 
 def _cli_serve_path() -> set[str]:
-    """Names ``tandem serve`` calls (last parts): deploy/cli.py's ``serve`` and ``_settings``."""
+    """Names ``tandem serve`` calls (last parts): deploy/cli.py's ``serve`` and deploy/client.py's ``load_settings``."""
     cli = _functions(ast.parse((ROOT / "deploy" / "cli.py").read_text()))
-    return {n.rsplit(".", 1)[-1] for n in _called(cli["serve"]) | _called(cli["_settings"])}
+    client = _functions(ast.parse((ROOT / "deploy" / "client.py").read_text()))
+    return {n.rsplit(".", 1)[-1] for n in _called(cli["serve"]) | _called(client["load_settings"])}
 
 
 def test_entrypoints_call_only_what_tandem_serve_calls():
@@ -389,7 +390,7 @@ def test_entrypoints_call_only_what_tandem_serve_calls():
         for node in ast.walk(functions[name]):
             assert not isinstance(node, ast.Import), f"{name}: import only service entries (from X import Y)"
             if isinstance(node, ast.ImportFrom):
-                assert node.module in SERVICE_MODULES | {"services.settings", "deploy.cli", "reward_server.settings", "control_plane.settings",
+                assert node.module in SERVICE_MODULES | {"services.settings", "deploy.settings_reference", "reward_server.settings", "control_plane.settings",
                                                          "control_plane.app"}, (name, node.module)
                 if node.module in SERVICE_MODULES:
                     assert [a.name for a in node.names] == ["build_app"], (name, node.module)

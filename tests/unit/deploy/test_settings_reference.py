@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from deploy.cli import SETTINGS_REFERENCE, settings_classes
+from deploy.settings_reference import SETTINGS_REFERENCE, settings_classes
 from services.settings import env_names
 
 ROOT = Path(__file__).resolve().parents[3]
