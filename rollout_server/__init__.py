@@ -6,7 +6,7 @@ One process, one vLLM engine (``AsyncLLM``), serving
   and the weight version that produced them (``api``), or episodes with the
   server's tools (``episodes``: held-out evaluation of episode lines);
 - ``GET/POST /v1/weights``: the loaded version; load a published version in
-  place (``engine``, ``transports``);
+  place (``reload``, ``transports``);
 - OpenAI's ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``,
   and vLLM's ``/inference/v1/generate``, with token ids, log-probs and weight
   versions in every answer (``openai_api``); ``verifiers_env`` turns a
@@ -16,10 +16,12 @@ One process, one vLLM engine (``AsyncLLM``), serving
   trajectory groups (``actor``).
 
 Modules: ``settings`` (``TANDEM_ROLLOUT_*``), ``engine`` (vLLM lifecycle,
-generation, reloads), ``transports`` (how weights reach the engine),
-``api`` and ``openai_api`` (routes), ``verifiers_env``, ``actor`` (the loop), ``metrics``, ``app`` (factory,
-lifespan, watchdog, ``serve``). vLLM is imported only when the engine
-starts, so importing this package is cheap.
+generation), ``rendering`` (tokenizer, chat template), ``errors``, ``reload`` (a
+new version from its arrival to the engine serving it), ``transports`` (how
+weights reach the engine), ``worker_ext`` (in vLLM's workers), ``api`` and
+``openai_api`` (routes), ``verifiers_env``, ``actor`` (the loop), ``metrics``,
+``app`` (factory, lifespan, watchdog, ``serve``). vLLM is imported only when
+the engine starts, so importing this package is cheap.
 """
 
 from __future__ import annotations

@@ -31,8 +31,9 @@ from redis.exceptions import RedisError
 
 from broker import Keys, WeightRegistry, WeightVersion, connect
 from broker.ledger import Ledger
-from rollout_server.engine import EngineDead, Generation, InvalidRequest, RolloutEngine, Sampling
+from rollout_server.engine import Generation, RolloutEngine, Sampling
 from rollout_server.episodes import EpisodeGeneration, run_episodes
+from rollout_server.errors import EngineDead, InvalidRequest
 from rollout_server.settings import RolloutSettings
 from rollout_server.tools import ToolBox
 from rollout_server.transports import WeightLoadError, confine

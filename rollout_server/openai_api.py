@@ -52,7 +52,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from rollout_server.api import _engine, invalid, run_generation
-from rollout_server.engine import InvalidRequest, RolloutEngine, Sampling, render_chat
+from rollout_server.engine import RolloutEngine, Sampling
+from rollout_server.errors import InvalidRequest
+from rollout_server.rendering import render_chat
 from rollout_server.settings import RolloutSettings
 from services.app import ServiceError
 from services.wire import ChatTemplateKwargs, Sample

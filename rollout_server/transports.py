@@ -7,7 +7,7 @@ A load has two halves, so that slow I/O never stalls generation:
    Anything wrong here is a :class:`WeightLoadError` and the engine was never
    touched: the old weights keep serving.
 2. :meth:`WeightTransport.apply` runs while the engine is paused (see
-   ``engine.RolloutEngine.load_weights``): it moves the prepared weights into the
+   ``reload.WeightReloads.load_weights``): it moves the prepared weights into the
    engine in place.
 
 :class:`FilesystemTransport` handles paths and ``file://`` URIs (a directory

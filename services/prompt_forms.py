@@ -7,7 +7,7 @@ the middle of a run. The resulting :class:`~services.wire.PromptGroup` /
 :class:`~services.wire.EvalPrompt` carries either ``prompt`` (text the rollout server tokenizes
 as it is) or ``messages``, which the rollout server renders with the model's own chat template
 (``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-**prompt.chat_template_kwargs)``; ``rollout_server.engine``).
+**prompt.chat_template_kwargs)``; ``rollout_server.rendering``).
 
 A stored line (``services.prompt_lines``) has one of three prompt forms, and becomes:
 

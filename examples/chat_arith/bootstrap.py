@@ -84,7 +84,7 @@ def chat_tokenizer():
 
 
 def render(tok, conversation: list[dict]) -> str:
-    """The text the rollout server generates from (``rollout_server.engine.render_chat``)."""
+    """The text the rollout server generates from (``rollout_server.rendering.render_chat``)."""
     return tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
 

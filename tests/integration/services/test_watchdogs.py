@@ -201,7 +201,8 @@ async def _second_engine(tiny_model):
 async def test_an_engine_whose_core_stopped_is_failed_within_generate_s(tiny_model, redis, keys):
     """The core process SIGSTOPped: the generate times out, the one-token probe gets no answer, the
     engine is failed (not ``alive``: the server's watchdog then exits non-zero for a restart)."""
-    from rollout_server.engine import PROBE_S, EngineDead, Sampling
+    from rollout_server.engine import PROBE_S, Sampling
+    from rollout_server.errors import EngineDead
 
     async with _second_engine(tiny_model) as (engine, cores):
         ids = engine.tokenize("1+1=")
@@ -225,7 +226,7 @@ async def test_an_engine_whose_core_stopped_is_failed_within_generate_s(tiny_mod
 async def test_a_reload_into_a_stopped_core_fails_the_engine_within_reload_s(tiny_model, redis, keys):
     """The version reads fine (it is the model's own weights), but the core that must load it is
     SIGSTOPped: past ``reload_s`` the engine, paused and half-loaded, is failed."""
-    from rollout_server.engine import EngineDead
+    from rollout_server.errors import EngineDead
     from services.weightstore import digest
 
     async with _second_engine(tiny_model) as (engine, cores):

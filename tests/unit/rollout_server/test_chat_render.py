@@ -1,4 +1,4 @@
-"""The rollout engine's chat rendering (``rollout_server.engine.render_chat``) on real tokenizers, without
+"""The rollout engine's chat rendering (``rollout_server.rendering.render_chat``) on real tokenizers, without
 starting vLLM: what the template writes is what is generated from (no special tokens added on top), and
 a tokenizer without a chat template or a template that refuses the messages is an InvalidRequest naming
 ``messages`` (the actor dead-letters such a group). The same rendering on the session's vLLM engine:
@@ -27,7 +27,7 @@ def bos_adding(chat_template: str | None):
 
 def test_the_template_writes_the_special_tokens_and_encoding_adds_none():
     from examples.tiny import CHAT_TEMPLATE
-    from rollout_server.engine import render_chat
+    from rollout_server.rendering import render_chat
 
     tok = bos_adding(CHAT_TEMPLATE)
     assert tok.encode("ab")[0] == tok.bos_token_id  # plain text gets the tokenizer's BOS
@@ -38,7 +38,8 @@ def test_the_template_writes_the_special_tokens_and_encoding_adds_none():
 
 def test_no_chat_template_or_a_refusing_one_is_invalid_naming_messages():
     from examples.tiny import char_tokenizer
-    from rollout_server.engine import InvalidRequest, render_chat
+    from rollout_server.errors import InvalidRequest
+    from rollout_server.rendering import render_chat
 
     with pytest.raises(InvalidRequest) as e:
         render_chat(char_tokenizer(), CHAT, {}, "/models/base")
