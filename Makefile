@@ -58,7 +58,7 @@ FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not 
 TEST_MARKERS := not long and not chaos and not compose
 LONG_MARKERS := long and not chaos and not compose
 
-.PHONY: run test test-fast test-long chaos bench bench-e2e lint clean image compose-test mutation
+.PHONY: run extras test test-fast test-long chaos bench bench-e2e lint clean image compose-test mutation
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml
@@ -122,6 +122,18 @@ $(STAMPS)/system-test: | $(STAMPS)/venv
 
 $(STAMPS)/install: pyproject.toml Makefile $(STAMPS)/system
 	$(call uv_install,$(RUN_EXTRAS))
+	@touch $@
+
+# make extras: what the documented commands need beyond make run's extras: the data extra (`tandem prompts
+# import`: docs/tutorial.md, docs/configuration.md) and the trackers extra ([logging] trackers: TensorBoard,
+# W&B, MLflow; docs/trackers.md). Installed beside make run's extras, in one resolution with them, the way
+# make run installs (uv, pip where uv fails); how long it takes: docs/tutorial.md.
+DOC_EXTRAS := $(RUN_EXTRAS),data,trackers
+
+extras: $(STAMPS)/extras
+
+$(STAMPS)/extras: $(STAMPS)/install
+	$(call uv_install,$(DOC_EXTRAS))
 	@touch $@
 
 $(STAMPS)/dev: $(STAMPS)/install $(STAMPS)/system-test

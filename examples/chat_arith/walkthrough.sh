@@ -15,6 +15,11 @@ WORK=runs/chat_arith
 
 step() { printf '\n== %s\n' "$*"; }
 
+# What make run leaves out: the data extra (pyarrow, datasets: steps 1 and 4) and the trackers extra
+# (tensorboard: steps 5 and 6). Missing, the script would fail minutes in, at step 4 or 5.
+python -c 'import datasets, pyarrow, tensorboard' 2>/dev/null \
+    || { echo "walkthrough.sh needs the data and trackers extras: run make extras" >&2; exit 1; }
+
 step "1. the dataset: Parquet, one chat conversation and its solution per row"
 python "$HERE/make_data.py" "$WORK"
 
