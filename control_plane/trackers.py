@@ -94,7 +94,7 @@ def preflight(config: RunConfig) -> None:
     missing = [name for name in config.logging.trackers if importlib.util.find_spec(name) is None]
     if missing:
         raise TrackerError(f"logging.trackers: {', '.join(missing)} not installed here "
-                           "(pip install 'tandem[trackers]')")
+                           "(make extras, or pip install -e '.[trackers]' in the checkout)")
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, str | int | float | bool]:

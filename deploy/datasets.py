@@ -81,7 +81,8 @@ def open_source(source: str, *, split: str | None = None, subset: str | None = N
     try:
         import datasets
     except ImportError:
-        raise ImportProblem("reading datasets needs the `datasets` package: pip install 'tandem[data]'") from None
+        raise ImportProblem("reading datasets needs the `datasets` package: make extras "
+                            "(or pip install -e '.[data]' in the checkout)") from None
     path = Path(source)
     if path.is_file():
         kind = FILE_KINDS.get(path.suffix.lower())

@@ -26,7 +26,7 @@ failed export leaves nothing), either
 A LoRA run's version becomes a model folder either way: with ``lora_format = "merged"`` it already
 holds full weights; with ``"adapter"`` the adapter is merged into the base weights here (peft's
 ``merge_and_unload``, in float32, then cast to ``model.dtype`` as the learner's merged publish does;
-needs torch, transformers and peft: ``pip install 'tandem[learner]'``).
+needs torch, transformers and peft: the learner extra, which ``make run`` installs).
 
 ``OUT/tandem-export.json`` records where the folder came from (run, version, step, the version's
 sha256, the base model).
@@ -417,7 +417,7 @@ def _merge_adapter(src: Path, base: Path, cfg: RunConfig, work: Path) -> Path:
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ExportError(f"merging a LoRA adapter needs torch, transformers and peft "
-                          f"(pip install 'tandem[learner]'): {e}") from None
+                          f"(the learner extra: make run, or pip install -e '.[learner]' in the checkout): {e}") from None
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     merged = PeftModel.from_pretrained(model, src).merge_and_unload()
     merged.to(getattr(torch, cfg.model.dtype)).save_pretrained(work, max_shard_size="1000GB")

@@ -53,7 +53,7 @@ constraints=$(mktemp /tmp/tandem-constraints.XXXXXX)
 # shellcheck disable=SC2086  # PIP_WHEEL_ARGS is a list of arguments
 "$PYTHON" -m pip wheel -q -w "$WHEELHOUSE" -c "$constraints" ${PIP_WHEEL_ARGS:-} \
     ".[$EXTRAS]" "setuptools>=77" wheel "async-timeout>=4.0.3"  # redis needs it below Python 3.11.3 (bookworm's 3.11.2)
-rm -f "$constraints" "$WHEELHOUSE"/tandem-*.whl  # the image builds tandem from its sources
+rm -f "$constraints" "$WHEELHOUSE"/tandem_grpo-*.whl  # the image builds tandem from its sources
 
 log "building $TANDEM_IMAGE from $base"
 docker build -f deploy/Dockerfile --build-arg BASE="$base" --build-arg EXTRAS="$EXTRAS" \

@@ -352,8 +352,8 @@ class WatchdogConfig(Section):
 class LoggingConfig(Section):
     """Experiment trackers. The control plane follows the run's metrics stream and logs the run
     config as hyperparameters and every metric point (learner, rollout servers, held-out
-    evaluation) to each tracker named here, through the tracker's own library (``pip install
-    'tandem[trackers]'``); see ``control_plane.trackers``. A tracker that cannot start fails the
+    evaluation) to each tracker named here, through the tracker's own library (the trackers extra:
+    ``make extras``); see ``control_plane.trackers``. A tracker that cannot start fails the
     run's creation (``POST /v1/runs`` answers 422 naming it); one that fails later is reported as
     an incident of the run and dropped, and training goes on."""
 
