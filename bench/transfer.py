@@ -12,7 +12,7 @@ bf16 tensors in 256 MB pieces (layer-sized) on the GPU (CPU without one), it tim
    atomic rename), what the learner does for every version;
 3. ``verify`` and ``read``: the rollout side, ``weightstore.verify`` (sha256 of the files) and
    ``safe_open`` of every tensor onto the device (page cache warm: an upper bound; on Modal the
-   reader reads from the Volume, documented at up to ~2.5 GB/s, MODAL-NOTES section 4);
+   reader reads from the Volume, documented at up to ~2.5 GB/s: docs/modal.md, "How it behaves there");
 4. ``http``: the version file streamed over loopback HTTP (stdlib server, 8 MiB chunks) into a
    file with sha256 on the fly: the ceiling of a learner serving its versions directly (Modal's
    i6pn network between containers is documented at >= 50 Gbit/s = 6.25 GB/s, and one learner

@@ -3,18 +3,22 @@
 Pure data: the memory planner (``deploy/plan.py``) and the CLI read these;
 nothing here imports torch or transformers, and nothing downloads a config.
 
-Sources are those of ``MODAL-NOTES.md`` section 8: torchtitan's Qwen3 configs
-[TT], the Qwen3 tech report [QR], the Qwen3-4B-Base model card [MC] and
-OLMo-core's transformer configs [OC]. No *Base* ``config.json`` was read, so
-some facts are marked unverified there; each preset lists them in
-``unverified``, and the planner's figures inherit that uncertainty:
+Sources: torchtitan's Qwen3 configs (https://github.com/pytorch/torchtitan,
+``torchtitan/models/qwen3/``), the Qwen3 technical report
+(https://arxiv.org/abs/2505.09388), the Qwen3-4B-Base model card
+(https://huggingface.co/Qwen/Qwen3-4B-Base) and OLMo-core's transformer configs
+(https://github.com/allenai/OLMo-core, ``src/olmo_core/nn/transformer/config.py``).
+No *Base* model's ``config.json`` on the Hugging Face hub was read (nothing is
+downloaded here), so the facts none of those sources states outright are
+unverified; each preset lists them in ``unverified``, and the planner's figures
+inherit that uncertainty:
 
 - Qwen3-4B-Base: none (parameters from the model card).
 - Qwen3-8B-Base, Qwen3-14B-Base: the parameter count (instruct model card /
   report), the maximum context.
 - Qwen3-30B-A3B-Base: the total/active parameter counts, the context, tied
   embeddings (taken as untied, like the other Qwen3 models of its size).
-- OLMo-3-1025-7B: the parameter count (MODAL-NOTES says ~7B; 7.3B is what its
+- OLMo-3-1025-7B: the parameter count (~7B by its name; 7.3B is what its
   dimensions give), the intermediate size (derived), head dim (derived), the
   vocabulary, the context (secondary sources), tied embeddings (believed no).
 - OLMo-3-1125-32B: the parameter count (~32B; 32.2B from its dimensions),
@@ -64,7 +68,7 @@ class ModelPreset(BaseModel):
     tied_embeddings: bool
     """Whether the output head shares the input embedding matrix."""
     unverified: tuple[str, ...] = ()
-    """Fields MODAL-NOTES marks unverified (U) or derived for this model."""
+    """Fields no source above states for this model: taken from a secondary source, or derived from the others."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelPreset:

@@ -108,7 +108,7 @@ def _without_shm_op() -> None:
     """Keep DeepSpeed's communication backend from building its shared-memory all-reduce op.
 
     On CPU, DeepSpeed's ``TorchBackend`` JIT-compiles the C++ op ``deepspeed_shm_comm`` whenever it
-    starts, even on one rank (minutes on two cores: docs/performance.md, "Fixed costs"), again
+    starts, even on one rank (minutes on two cores: docs/reliability.md, "Faults"), again
     whenever the shared build cache (``~/.cache/torch_extensions``) was last built with other flags.
     The op serves only ``inference_all_reduce`` (DeepSpeed's tensor-parallel inference layers);
     training never calls it: ZeRO's collectives go through ``torch.distributed`` (gloo), on any

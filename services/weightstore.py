@@ -146,7 +146,7 @@ def clean_temp(root: str | Path) -> int:
 #
 # On Modal the run directory is a Volume mounted in every container; a container
 # sees another's writes only after the writer commits and the reader reloads
-# (MODAL-NOTES section 4). The learner commits between writing a version and
+# (https://modal.com/docs/guide/volumes). The learner commits between writing a version and
 # registering it; a rollout server reloads before reading one. ``modal`` is
 # imported only here, and only when a volume is named (TANDEM_RUN_DIR_VOLUME).
 

@@ -9,7 +9,12 @@ docstrings of every *.py file, pyproject.toml and the Makefile. A reference is
 - a Markdown link ``[text](target#anchor)`` to a file of the repository, relative to the page,
   and its anchor, which must be a heading of the target;
 - a section of docs/architecture.md: "docs/architecture.md section N", "sections N and M",
-  "§N" anywhere, "section N" inside docs/architecture.md itself.
+  "§N" anywhere, "section N" inside docs/architecture.md itself;
+- a section of a page by its title: ``docs/performance.md, "Packed micro-batches"`` (a page name, a
+  comma, a quoted title) must name a heading of that page, or a bold paragraph title
+  (``**The cold start ends on a plateau.**``), by its whole text or its start, numbering left out;
+- a Markdown file by its bare name (``tutorial.md``, ``README.md``): some file of the repository has
+  that name. Private briefs the developers keep outside the repository (:data:`FORBIDDEN`) are never cited.
 
 Not references: URLs (``https://gvisor.dev/docs/...``), absolute paths (``/runs`` inside a
 container, ``/tmp/...``), paths under folders that are not the repository's (``runs/<id>/``,
@@ -41,8 +46,11 @@ LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
 SECTION_OF_DOC = re.compile(re.escape(ARCHITECTURE) + r"[\s#*`\"'(]*(?:,\s*)?sections?\s+(\d+(?:\s*(?:,|and|or)\s*\d+)*)")
 SECTION_SIGN = re.compile(r"§\s*(\d+)")
 SECTION_BARE = re.compile(r"\bsections?\s+(\d+(?:\s*(?:,|and|or)\s*\d+)*)")
-FORBIDDEN = ("ARCHITECTURE" + ".md", "shared/" + "ARCHITECTURE")
-"""The developers' brief outside the repository: the project cites docs/, never it."""
+TITLED = re.compile(r"(?<![\w.-])((?:[\w.-]+/)*[\w.-]+\.md)[`*]*,\s*(?:#\s*)?[\"\u201c]([^\"\u201d\n]+)[\"\u201d]")
+"""A page and a quoted section title: ``docs/performance.md, "Packed micro-batches"`` (across a comment's lines too)."""
+BARE_MD = re.compile(r"(?<![\w./<>*{}$-])([\w-][\w.-]*\.md)(?![\w-])")
+FORBIDDEN = ("ARCHITECTURE" + ".md", "shared/" + "ARCHITECTURE", "MODAL" + "-NOTES")
+"""The developers' briefs outside the repository: the project cites docs/ and public sources, never them."""
 
 
 def scanned_files(root: Path) -> list[Path]:
@@ -121,6 +129,26 @@ def headings(markdown: str) -> list[str]:
     return found
 
 
+def titles(markdown: str) -> list[str]:
+    """What a quoted citation may name on a page: its headings without their numbering ("1. The dataset" ->
+    "the dataset") and the bold titles that open its paragraphs, lower case, closing punctuation dropped."""
+    found = [re.sub(r"^\d+(?:\.\d+)*\.?\s+", "", h) for h in headings(markdown)]
+    found += re.findall(r"^(?:[-*]\s+)?\*\*([^*\n]+)\*\*", markdown, re.M)
+    return [title_key(t) for t in found]
+
+
+def title_key(title: str) -> str:
+    return re.sub(r"[`*]", "", title).strip().rstrip(".:").lower()
+
+
+def page_of(root: Path, name: Path, cited: str) -> Path | None:
+    """The page a citation names: relative to the citing file's folder, else to the root, else in docs/."""
+    for page in ((root / name).parent / cited, root / cited, root / "docs" / cited):
+        if page.is_file():
+            return page
+    return None
+
+
 def architecture_sections(root: Path) -> list[int]:
     page = root / ARCHITECTURE
     if not page.exists():
@@ -155,6 +183,7 @@ def broken_references(root: Path, files: list[Path] | None = None) -> list[str]:
     """Every reference in ``files`` (default: :func:`scanned_files`) that does not resolve, as ``file:line: what``."""
     files = scanned_files(root) if files is None else files
     sections = set(architecture_sections(root))
+    markdown_names = {n.name for n in scanned_files(root) if n.suffix == ".md"}
     problems: list[tuple[str, str]] = []  # (where, what)
     missing: dict[str, list[str]] = {}
     for name in files:
@@ -167,7 +196,8 @@ def broken_references(root: Path, files: list[Path] | None = None) -> list[str]:
 
             for bad in FORBIDDEN:
                 for m in re.finditer(re.escape(bad), text):
-                    problems.append((where(m.start()), f"cites {bad}, which is not in the repository: cite {ARCHITECTURE}"))
+                    problems.append((where(m.start()), f"cites {bad}, which is not in the repository: "
+                                                       "cite docs/ or the public source"))
             for m in PATH.finditer(text):
                 path = m.group(1).rstrip(".-")
                 if path not in RUN_FILES and not exists(root, path):
@@ -181,6 +211,14 @@ def broken_references(root: Path, files: list[Path] | None = None) -> list[str]:
                     if n not in sections:
                         problems.append((where(m.start()), f"{ARCHITECTURE} has no section {n} "
                                                            f"(it has {sorted(sections)})"))
+            for m in TITLED.finditer(text):
+                cited, title = m.group(1), m.group(2)
+                page = page_of(root, name, cited)
+                if page is not None and not any(t.startswith(title_key(title)) for t in titles(page.read_text())):
+                    problems.append((where(m.start()), f'{cited}, "{title}": no such heading in {cited}'))
+            for m in BARE_MD.finditer(text):
+                if m.group(1) not in markdown_names and not any(bad in m.group(1) for bad in FORBIDDEN):
+                    problems.append((where(m.start()), f"{m.group(1)}: no file of that name in the repository"))
             if not is_markdown:
                 continue
             for m in LINK.finditer(text):
@@ -214,6 +252,8 @@ def test_the_checker_finds_what_is_broken_and_only_that(tmp_path):
     (tmp_path / "broker" / "admission.py").write_text(
         '"""The staleness bound (docs/architecture.md section 1); see broker/gone.py."""\n'
         "# docs/architecture.md\n# section 9: a cited section that does not exist\n"
+        '# docs/architecture.md,\n# "Data flow" (a title across two comment lines), and\n'
+        '# (docs/architecture.md, "No such flow") and the ' + "MODAL" + "-NOTES brief\n"
         "x = 'docs/not-a-comment.md'  # a plain string is code, not a reference\n")
     (tmp_path / ARCHITECTURE).write_text("# Architecture\n\n## 1. Data flow\n\n```\n# 2. not a heading\n```\n"
                                          "As section 1 says; section 2 does not exist.\n")
@@ -223,7 +263,10 @@ def test_the_checker_finds_what_is_broken_and_only_that(tmp_path):
         "Not references: https://gvisor.dev/docs/user_guide/install/, runs/<run_id>/summary.json, "
         "/runs/models/arith, $PWD/examples/arith/, ~/.cache/tandem, broker/<module>.py, "
         "learner/published.jsonl.\n"
-        "Cited wrongly: the " + "ARCHITECTURE" + ".md brief.\n")
+        "Cited wrongly: the " + "ARCHITECTURE" + ".md brief.\n"
+        'Titles: docs/architecture.md, "Data flow" and (architecture.md, "data"), a bold one (README.md, '
+        '"The point"); none: docs/architecture.md, "Layers". Names: architecture.md, README.md, NOTES.md, *.md.\n'
+        "**The point.** A bold paragraph title.\n")
     files = [Path("README.md"), Path(ARCHITECTURE), Path("broker/admission.py")]
     found = broken_references(tmp_path, files)
     expected = [
@@ -231,7 +274,11 @@ def test_the_checker_finds_what_is_broken_and_only_that(tmp_path):
         "README.md:1: docs/nothing.md: no such file or folder in the repository",
         "README.md:1: link to docs/architecture.md#2-layers: no heading #2-layers there",
         "README.md:1: link to docs/nothing.md: no such file",
-        "README.md:3: cites " + "ARCHITECTURE" + ".md, which is not in the repository: cite docs/architecture.md",
+        "README.md:3: cites " + "ARCHITECTURE" + ".md, which is not in the repository: cite docs/ or the public source",
+        'README.md:4: docs/architecture.md, "Layers": no such heading in docs/architecture.md',
+        "README.md:4: NOTES.md: no file of that name in the repository",
+        'broker/admission.py:6: docs/architecture.md, "No such flow": no such heading in docs/architecture.md',
+        "broker/admission.py:6: cites " + "MODAL" + "-NOTES, which is not in the repository: cite docs/ or the public source",
         "broker/admission.py:1: broker/gone.py: no such file or folder in the repository",
         "broker/admission.py:2: docs/architecture.md has no section 9 (it has [1])",
         "docs/architecture.md:8: docs/architecture.md has no section 2 (it has [1])",
