@@ -7,7 +7,7 @@ For each model (built in code, random weights, float32: ``examples.tiny.tiny_qwe
 ``--versions`` LoRA states at ``--rank`` (8) on q/k/v/o, the presets' targets (PEFT, each with its
 own random ``lora_B`` so that no two versions are equal), and publishes each both ways with the
 learner's writer (``services.weightstore.write_version``; the adapter in the layout
-``learner.trainer.publish_tensors`` asks for, the merged weights from peft's ``merge_and_unload``).
+``learner.publisher.publish_tensors`` asks for, the merged weights from peft's ``merge_and_unload``).
 Then, as a run would be served:
 
 - **merged**: a plain vLLM engine (``RolloutEngine``) loads each full version in place;

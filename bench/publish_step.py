@@ -10,16 +10,16 @@ fp32 training, gloo), one run times, for each transport, ``--rounds`` rounds of:
 
 1. one ``LearnerEngine.train_step`` on one GRPO group (``--group-size`` 8 samples of ``--prompt-len`` +
    ``--completion-len`` = 64 tokens by default): the step's seconds;
-2. the publish as ``learner.trainer.Trainer._publish`` does it, the learner's blocked seconds (its critical
+2. the publish as ``learner.publisher.Publisher.publish`` does it, the learner's blocked seconds (its critical
    path) split into parts:
 
-   - ``files``: the gather (``trainer.publish_tensors``) and ``services.weightstore.write_version``
+   - ``files``: the gather (``publisher.publish_tensors``) and ``services.weightstore.write_version``
      (safetensors, sha256, fsync, rename) on the learner's path;
-   - ``broadcast``: the gather, the wait for the previous version's background write (the trainer's
-     ``_written``), ``learner.broadcaster.Broadcaster.send`` to one member process (a rollout server's stand-in:
+   - ``broadcast``: the gather, the wait for the previous version's background write (the publisher's
+     ``written``), ``learner.publisher.Broadcaster.send`` to one member process (a rollout server's stand-in:
      it joins the run's board in Redis, waits for its seat and receives with ``services.weightgroup``, the
-     code a vLLM worker runs, digest checked) and the copy the trainer makes of unsharded tensors; the files
-     are then written in a background thread (as the trainer's ``_write``), so the next round's step runs
+     code a vLLM worker runs, digest checked) and the copy the publisher makes of unsharded tensors; the files
+     are then written in a background thread (as the publisher's ``_write``), so the next round's step runs
      while they are written (its step seconds include that contention).
 
 A private ``redis-server`` (on a free port, no persistence) carries the board. The figures go to ``--out``
@@ -84,9 +84,8 @@ async def run(args, work: Path, redis_url: str) -> dict:
     from broker.broadcast import BroadcastBoard
     from examples.tiny import parameter_count, tiny_qwen3
     from learner.batch import build_batch
-    from learner.broadcaster import Broadcaster
     from learner.engine import LearnerEngine
-    from learner.trainer import publish_tensors
+    from learner.publisher import Broadcaster, publish_tensors
     from services import weightstore as store
     from services.config import RunConfig
 
@@ -139,7 +138,7 @@ async def run(args, work: Path, redis_url: str) -> dict:
                     row["write_s"] = written.seconds
                 else:
                     t = time.perf_counter()
-                    if writing is not None:  # the trainer's _written(): the registry stays in order
+                    if writing is not None:  # the publisher's written(): the registry stays in order
                         await writing
                     row["wait_write_s"] = time.perf_counter() - t
                     t = time.perf_counter()

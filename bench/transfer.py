@@ -229,7 +229,7 @@ def main() -> None:
                         "note": "this machine's disk, no volume: publish.transport = files"},
         "broadcast": {"learner_s": gather + broadcast_s, "rollout_s": member_s, "files_behind_s": written.seconds,
                       "note": "gloo to one member; the files are written in the background meanwhile "
-                              "(learner.trainer), files_behind_s after the broadcast"},
+                              "(learner.publisher), files_behind_s after the broadcast"},
         "lora_adapter": {"bytes": lora, "learner_s": lora / rate["write"] + lora / (VOLUME_GB_PER_S * 1e9),
                          "rollout_s": lora / (VOLUME_GB_PER_S * 1e9)},
     }

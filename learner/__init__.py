@@ -3,8 +3,11 @@
 Who talks to whom: rank 0 reads trajectory groups from Redis
 (``learner.feeder``), every rank trains on its share (``learner.engine``,
 objective in ``learner.loss``; process group and named collectives in
-``learner.distributed``, RNG state in ``learner.rng``), rank 0 publishes weight versions to the
-weight store (``learner.retention``) and registers them with the broker, and
+``learner.distributed``, RNG state in ``learner.rng``), rank 0 publishes weight versions:
+streams them to the rollout servers, writes them to the weight store and
+registers them with the broker, old ones pruned (``learner.publisher``,
+retention in ``learner.retention``); every rank saves checkpoints, and rank 0
+acknowledges the groups a durable one holds (``learner.checkpoints``); rank 0
 serves ``/healthz``, ``/metrics``, ``/v1/status`` (``learner.service``).
 The loop, its order of operations and the resume design are in
 ``learner.trainer``.

@@ -1,7 +1,7 @@
 """A test-only hook that kills the learner inside a chosen window of a step.
 
-Off unless :data:`CRASH_AT` is set (never in normal use): ``learner.trainer`` and
-``learner.engine.LearnerEngine.save`` call :func:`crash_point` at the points a kill -9 from
+Off unless :data:`CRASH_AT` is set (never in normal use): ``learner.trainer``,
+``learner.checkpoints`` and ``learner.engine.LearnerEngine.save`` call :func:`crash_point` at the points a kill -9 from
 outside would hit only by chance (``tests/integration/deploy/test_main_job.py`` sets it).
 """
 

@@ -2,8 +2,8 @@
 
 The format of a published version (directory naming, safetensors writing,
 the sha256 checksum, the ``tandem-version.json`` record, atomic writes)
-belongs to ``services.weightstore``, which the trainer writes with and the
-rollout servers read with.
+belongs to ``services.weightstore``, which the publisher (``learner.publisher``)
+writes with and the rollout servers read with.
 
 What is kept (``[publish]``, :func:`retained`): the newest ``keep`` versions
 (the rolling window the rollout servers load from), every version a rollout
@@ -16,7 +16,7 @@ it is scored. The rollout servers evaluate in version order, so once a newer
 version has a score, an older one still without a score will not get one (its
 evaluation failed or was skipped) and is judged by the other rules alone.
 
-The trainer records each decision in ``<run>/weights/retention.json``
+The publisher records each decision in ``<run>/weights/retention.json``
 (:data:`RETENTION_FILE`: the scores it knew and the versions kept), which
 ``tandem export`` reads to find the best version.
 """

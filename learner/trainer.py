@@ -13,7 +13,8 @@ One step, in this order:
 2. train one optimizer step on it; its groups are *held* (their admission
    tickets freed, their acknowledgement deferred);
 3. every ``publish.every`` steps: gather the full weights, write version
-   ``v_learner + 1`` atomically, register it, prune old versions;
+   ``v_learner + 1`` atomically, register it, prune old versions
+   (``learner.publisher``: the learner's side of the weight path);
 4. when a checkpoint is due (every ``learner.checkpoint_every`` steps or
    ``learner.checkpoint_every_s`` seconds, after the last step, and when
    stopped on request: SIGTERM, not kill -9): save a checkpoint holding the
@@ -22,16 +23,17 @@ One step, in this order:
 5. once the checkpoint is durable (on a Modal volume: committed by every
    node, since a retried learner sees committed files only), acknowledge
    the held groups: each becomes
-   *done* with its ledger ``trained`` entry (``broker.ledger``).
+   *done* with its ledger ``trained`` entry (``broker.ledger``). Steps 4 and
+   5 are ``learner.checkpoints``.
 
 Resume (kill -9 at any point, restart): a crash loses the steps after the
 last checkpoint, and no data.
 
 - The checkpoint named by the pointer file is loaded: weights, optimizer,
   LR schedule, RNG, step, ``v_learner``. The groups it records as held are
-  acknowledged now (idempotent: a group already done gets no second ledger
-  entry), so a group trained into the checkpointed weights is never trained
-  again.
+  acknowledged now (``Checkpoints.ack_restored``; idempotent: a group already
+  done gets no second ledger entry), so a group trained into the checkpointed
+  weights is never trained again.
 - Groups trained *after* the checkpoint were never acknowledged: they are
   still pending, taken over at start-up (``Feeder.start``) and trained again
   in the resumed lineage, unless a retracted version generated them.
@@ -59,10 +61,11 @@ this process trained: step, version, group ids, pid; steps a crash lost
 appear there and again after the resume) and ``published.jsonl``.
 
 In the code, rank 0's run is :meth:`Trainer._lead`: ``_resume`` once, then
-per step ``_feed`` (1), ``_plan`` and ``_step`` (2), ``_publish`` (3),
-``_checkpoint`` (4 and 5) and ``_report`` (status, metrics, log, run
-registry); ``_finish`` at the end. What rank 0 tells the other ranks is a
-:class:`~learner.ranks.RankCommand`.
+per step ``_feed`` (1), ``_plan`` and ``_step`` (2), ``_publish`` (3:
+:class:`~learner.publisher.Publisher`), ``_checkpoint`` (4 and 5:
+:class:`~learner.checkpoints.Checkpoints`) and ``_report`` (status, metrics,
+log, run registry); ``_finish`` at the end. What rank 0 tells the other ranks
+is a :class:`~learner.ranks.RankCommand`.
 """
 
 from __future__ import annotations
@@ -82,11 +85,13 @@ from typing import TYPE_CHECKING
 from broker.admission import lag
 from broker.ledger import LEDGER_FILE
 from host.files import write_atomic
+from learner.checkpoints import Checkpoints
 from learner.feeder import DataTimeout
+from learner.publisher import Publisher, publish_tensors
 from learner.ranks import RankChannel, RankCommand, receive
-from learner.retention import RETENTION_FILE, RUN_CONFIG_FILE, best, retained
+from learner.retention import RUN_CONFIG_FILE
 from learner.settings import LearnerSettings
-from learner.status import Published, Status
+from learner.status import Status
 from services.config import RunConfig
 from services.timeline import Timeline
 
@@ -141,11 +146,6 @@ def episode_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return out
 
 
-def checkpoint_tag(step: int) -> str:
-    """The name of the checkpoint saved after ``step`` steps (every rank saves under it)."""
-    return f"step{step:08d}"
-
-
 @dataclass(frozen=True)
 class Batch:
     """One step's groups as the feeder handed them out (oldest first) and the rows built from them."""
@@ -181,14 +181,10 @@ class Trainer:
         """Optimizer steps taken (the checkpoint's after a resume)."""
         self.version = 0
         """v_learner: the newest version this learner published (the checkpoint's after a resume)."""
-        self.held: list[tuple[Delivery, dict]] = []
-        """Groups trained since the last checkpoint, with their ledger details (acknowledged after it)."""
         self.timeline = Timeline.off()
         """Rank 0's spans (read, step, publish, checkpoint: services.timeline), the run's once it leads."""
-        self.broadcaster = None
-        """Rank 0 with ``publish.transport = "broadcast"``: streams each version before its files are written."""
-        self._writing: asyncio.Task | None = None
-        """The background write and registration of the last broadcast version (:meth:`_publish`)."""
+        self.publisher: Publisher | None = None
+        """Rank 0's, once it leads."""
 
     # -- entry points -------------------------------------------------------
 
@@ -222,6 +218,8 @@ class Trainer:
         engine = LearnerEngine(self.cfg, incidents=incidents)
         self.engine = engine
         self.status.rank_count = engine.world
+        self.checkpoints = Checkpoints(engine, self.paths.checkpoints, self.cfg.learner, self.settings.run_dir_volume,
+                                       self.status)
         state = engine.load(self.paths.checkpoints)
         self.step = state["step"] if state else 0
         self.version = state["version"] if state else 0
@@ -261,10 +259,11 @@ class Trainer:
         try:
             self.keys = Keys(self.run_id)
             self.registry = WeightRegistry(self.redis, self.keys)
-            if self.cfg.publish.transport == "broadcast":
-                from learner.broadcaster import Broadcaster
-
-                self.broadcaster = Broadcaster(self.redis, self.keys, self.cfg.publish, self.settings.broadcast_host)
+            self.publisher = Publisher(
+                self.engine, self.cfg, self.settings, self.redis, self.keys, self.registry,
+                weights=self.paths.weights, published_log=self.paths.logs / "published.jsonl", status=self.status,
+                metrics=self.metrics, timeline=self.timeline,
+            )
             self.feeder = Feeder(
                 self.redis, self.keys, self.cfg, vocab_size=self.engine.vocab_size, max_len=self.engine.max_len,
                 consumer=f"learner-{self.settings.name}",
@@ -277,8 +276,7 @@ class Trainer:
                     break
                 cmd = self._plan(batch)
                 stats, train_s = self._step(cmd)
-                self.held += [(d, {"step": self.step, "basis": batch.basis, "version": g.policy_version})
-                              for d, g in batch.taken]
+                self.checkpoints.hold(self.step, batch.basis, batch.taken)
                 if cmd.publish:
                     with self.timeline.span("publish", "rank0", step=self.step, version=self.version + 1):
                         await self._publish(self.version + 1, resume=False)
@@ -294,9 +292,8 @@ class Trainer:
                 await self._report(batch, stats, train_s)
             await self._finish()
         finally:
-            if self._writing is not None:  # failing: a half-written version is cleaned at the next start
-                self._writing.cancel()
-                await asyncio.gather(self._writing, return_exceptions=True)
+            if self.publisher is not None:  # failing: a half-written version is cleaned at the next start
+                await self.publisher.abandon()
             await self.timeline.stop_async()
             await self.redis.aclose()
 
@@ -304,16 +301,11 @@ class Trainer:
         """Pick up where the checkpoint left off ("Resume" above)."""
         feeder = self.feeder
         await feeder.stream.ensure_group()
-        if state and state.get("unacked"):
-            # trained into the checkpointed weights: done before anything is taken over (a group
-            # already done, acknowledged after the checkpoint, gets no second count nor ledger entry)
-            held = [_held(x) for x in state["unacked"]]
-            await feeder.stream.ack([d for d, _ in held], counter="accepted", event="trained",
-                                    details=[x for _, x in held])
+        await self.checkpoints.ack_restored(feeder.stream, state)
         await feeder.start()
         latest = await self.registry.latest()
         registered = latest.version if latest else 0
-        announced = await self._announced()
+        announced = await self.publisher.announced()
         if registered < self.version:
             raise RuntimeError(
                 f"the registry's latest version is {registered} but the checkpoint holds {self.version}: "
@@ -339,7 +331,7 @@ class Trainer:
         feeder.retracted = await self.registry.retracted()
         self.status.lost_steps += lost
         self.status.retracted = sorted(feeder.retracted)
-        self.saved_step, self._saved_at = self.step, time.monotonic()
+        self.checkpoints.restored(self.step)
         self.status.step, self.status.version = self.step, self.version
         await self._write_state()
 
@@ -384,25 +376,16 @@ class Trainer:
         except Exception as e2:  # noqa: BLE001  the timeout below matters more than its record
             log.error("could not record the incident: %r", e2)
 
-    async def _announced(self) -> int:
-        """The newest version a broadcast announced (0: none), whether or not its files were registered."""
-        from broker.broadcast import BroadcastBoard
-
-        a = await BroadcastBoard(self.redis, self.keys).latest()
-        return 0 if a is None else a.version
-
     def _plan(self, batch: Batch) -> RankCommand:
         """What the step that trains ``batch`` does: every rank's rows, and whether it publishes and checkpoints."""
         from learner.batch import split_ranks
 
-        cfg = self.cfg.learner
         step = self.step + 1
         return RankCommand(
             step=step,
             rows=split_ranks(batch.seqs, self.engine.world),
             publish=step % self.cfg.publish.every == 0,
-            checkpoint=step >= cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
-            or (cfg.checkpoint_every_s > 0 and time.monotonic() - self._saved_at >= cfg.checkpoint_every_s),
+            checkpoint=self.checkpoints.due(step),
         )
 
     def _step(self, cmd: RankCommand) -> tuple[dict[str, float], float]:
@@ -416,120 +399,14 @@ class Trainer:
         return stats, time.monotonic() - t0
 
     async def _publish(self, version: int, *, resume: bool) -> None:
-        """Gather (collective), write and register ``version``; prune old versions. It becomes v_learner.
-
-        With ``publish.transport = "broadcast"`` the version is streamed to the servers in its group first
-        and its files are written and registered in the background (:meth:`_written` waits for them: before
-        the next publish, so the registry stays in order, and before a checkpoint, which must find its
-        version registered at a resume): the learner's next step does not wait for the disk."""
-        import torch
-
-        dtype = getattr(torch, self.cfg.model.dtype)
-        t0 = time.perf_counter()
-        tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
-        gather_s = time.perf_counter() - t0
-        if self.broadcaster is None or layout:  # files (adapters are never broadcast: the config refuses it)
-            await self._write(version, self.step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=None)
-            return
-        await self._written()
-        with self.timeline.span("broadcast", "rank0", step=self.step, version=version):
-            sent = await self.broadcaster.send(version, tensors)
-        if self.engine.zero_stage != 3:  # unsharded tensors may be the live parameters the next step changes
-            tensors = {k: t.clone() for k, t in tensors.items()}
+        """Publish this step's weights as ``version`` (collective; ``learner.publisher``); it becomes v_learner."""
+        await self.publisher.publish(version, self.step, resume=resume)
         self.version = version
-        self._writing = asyncio.create_task(
-            self._write(version, self.step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=sent,
-                        blocked_s=time.perf_counter() - t0),
-            name=f"write-v{version}")
-
-    async def _written(self) -> None:
-        """Wait for the background write of the last broadcast version (its failure is raised here)."""
-        if self._writing is not None:
-            task, self._writing = self._writing, None
-            await task
-
-    async def _write(self, version: int, step: int, tensors: dict, layout: dict, *, resume: bool, t0: float,
-                     gather_s: float, sent, blocked_s: float | None = None) -> None:
-        """Write and register ``version`` (the weights of ``step``), record it, prune. ``blocked_s``: set when it runs in the background
-        (the learner was blocked that long: gather + broadcast), the write then in a thread of its own."""
-        from broker import WeightVersion
-        from services import weightstore as store
-
-        def write():
-            return store.write_version(self.paths.weights, version, tensors, step=step, replace=True, **layout)
-
-        written = await asyncio.to_thread(write) if blocked_s is not None else write()
-        if self.settings.run_dir_volume:  # other containers see the version only once committed
-            await asyncio.to_thread(store.commit_volume, self.settings.run_dir_volume)
-        await self.registry.publish(
-            WeightVersion(version=version, uri=str(written.path.resolve()), sha256=written.sha256,
-                          created_at=time.time(), bytes=written.bytes),
-            step=step,
-        )
-        self.version = max(self.version, version)
-        info = Published(
-            version=version, step=step, bytes=written.bytes, gather_s=gather_s, write_s=written.seconds,
-            total_s=time.perf_counter() - t0, write_gb_per_s=written.gb_per_s, resume=resume,
-            broadcast_s=None if sent is None else sent.seconds,
-            broadcast_to=0 if sent is None or sent.digest is None else len(sent.members),
-            blocked_s=time.perf_counter() - t0 if blocked_s is None else blocked_s,
-        )
-        self.status.last_publish = info
-        self._audit("published.jsonl", info.model_dump())
-        log.info(
-            "published v%d (step %d): %.1f MB in %.3f s (gather %.3f s, write %.3f s = %.2f GB/s; learner blocked "
-            "%.3f s)", version, step, written.bytes / 1e6, info.total_s, gather_s, written.seconds,
-            written.gb_per_s, info.blocked_s,
-        )
-        if self.metrics is not None:
-            self.metrics.observe_publish(info)
-        await self._prune()
-
-    async def _prune(self) -> None:
-        """Delete the versions retention no longer keeps, from disk and from the registry."""
-        from services import weightstore as store
-
-        history = [w.version for w in await self.registry.history()]
-        in_use = (await self.registry.in_use()).values()
-        pub, scores = self.cfg.publish, {}
-        if pub.keep_best:
-            from services.evaluate import EvalLog, due
-
-            scores = {v: p.accuracy for v, p in (await EvalLog(self.redis, self.keys).points()).items()}
-        keep, delete = retained(history, pub.keep, in_use, keep_every=pub.keep_every, keep_best=pub.keep_best,
-                                scores=scores, due=lambda v: due(v, self.cfg.eval))
-        for v in sorted(delete):
-            path = store.version_dir(self.paths.weights, v)
-            if path.exists():
-                store.delete_version(self.paths.weights, v)
-        await self.registry.forget(sorted(delete))
-        _write_json(self.paths.weights / RETENTION_FILE, {
-            "scores": {str(v): s for v, s in sorted(scores.items())}, "kept": sorted(keep),
-            "best": best(scores, pub.keep_best, among=keep),
-        })
 
     async def _checkpoint(self) -> None:
-        """Save this step's checkpoint (collective) with the groups held since the last one, then
-        acknowledge them: the checkpoint holds their update."""
-        from learner.crash import crash_point
-
-        await self._written()  # a resume from it finds its version registered
-
-        state = {
-            "step": self.step, "version": self.version,
-            "unacked": [[d.entry_id.decode(), d.envelope.group_id, x] for d, x in self.held],
-        }
-        self.status.state = "checkpointing"
-        t0 = time.monotonic()
-        self.engine.save(self.paths.checkpoints, checkpoint_tag(self.step), state)
-        await asyncio.to_thread(self._commit_checkpoint)
-        self.status.last_checkpoint_s = time.monotonic() - t0
-        self.saved_step, self._saved_at = self.step, time.monotonic()
-        crash_point("saved", self.step, self.paths.checkpoints)  # durable, its groups not acked yet
-        await self.feeder.ack_trained([d for d, _ in self.held], [x for _, x in self.held])
-        log.info("checkpoint at step %d in %.2f s; %d trained groups acknowledged",
-                 self.step, self.status.last_checkpoint_s, len(self.held))
-        self.held = []
+        """Save this step's checkpoint (collective) and acknowledge the groups it holds (``learner.checkpoints``)."""
+        await self.publisher.written()  # a resume from it finds its version registered
+        await self.checkpoints.save(self.step, self.version, self.feeder)
 
     async def _report(self, batch: Batch, stats: dict[str, float], train_s: float) -> None:
         """After the acknowledgement: status, audit line, metrics point, run registry, Prometheus, log."""
@@ -568,8 +445,8 @@ class Trainer:
     async def _finish(self) -> None:
         """The loop ended (last step, or stopped): keep the progress, release the other ranks, report;
         a finished run's leftover groups are ended and its ledger exported."""
-        await self._written()
-        if self.saved_step < self.step:
+        await self.publisher.written()
+        if self.checkpoints.saved_step < self.step:
             # stopped on request (SIGTERM): keep the progress and acknowledge what it trained
             self.ranks.send(RankCommand(step=self.step, checkpoint=True))
             await self._checkpoint()
@@ -626,53 +503,14 @@ class Trainer:
             if cmd.publish:
                 publish_tensors(engine, self.cfg, torch.float32)  # take part in the gather; rank 0 writes
             if cmd.checkpoint:
-                engine.save(self.paths.checkpoints, checkpoint_tag(cmd.step), {})
-                self._commit_checkpoint()
+                self.checkpoints.save_shards(cmd.step)
             if cmd.stop:
                 return not cmd.failed
-
-
-    def _commit_checkpoint(self) -> None:
-        """On a shared volume (Modal), make the checkpoint just saved durable before its groups are
-        acknowledged: one commit per node (each node's ranks wrote their shards into that node's view),
-        then a barrier, so rank 0 acknowledges only once every node's part is committed. A retried
-        learner starts in a fresh container, which sees committed files only. Collective."""
-        import torch
-
-        from services import weightstore as store
-
-        if not self.settings.run_dir_volume:
-            return
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            store.commit_volume(self.settings.run_dir_volume)
-        if self.engine.world > 1:
-            torch.distributed.barrier()
-
-
-def publish_tensors(engine, cfg: RunConfig, dtype) -> tuple[dict, dict]:
-    """What a publish writes: (tensors, ``write_version`` layout arguments). Collective.
-
-    Full weights (LoRA merged in) by default; with ``publish.lora_format =
-    "adapter"`` only the adapter, in PEFT's file layout.
-    """
-    if engine.lora and cfg.publish.lora_format == "adapter":
-        tensors, adapter_config = engine.adapter_state_dict(dtype)
-        return tensors, {"weights_name": "adapter_model.safetensors",
-                         "extra_files": {"adapter_config.json": adapter_config}}
-    return engine.full_state_dict(dtype), {}
 
 
 def _write_json(path: Path, data: dict) -> None:
     """Replace ``path`` with ``data`` as JSON, atomically (a reader sees the old file or the new)."""
     write_atomic(path, json.dumps(data, indent=1) + "\n")
-
-
-def _held(record: list):
-    """(Delivery handle, ledger details) of a group a checkpoint recorded as held."""
-    from broker import Delivery, Envelope
-
-    entry_id, gid, *rest = record  # checkpoints before the ledger held [entry_id, group_id]
-    return Delivery(entry_id.encode(), Envelope(gid, -1, b""), 1), (rest[0] if rest else {})
 
 
 async def close_run(redis, keys, reason: str, ledger_path: Path, steps: int | None = None) -> int:

@@ -105,7 +105,7 @@ def run_one(model: Path, out: Path, stage: int, steps: int, overrides: dict) -> 
     probe = probe_logprobs(engine)
     adapter = None
     if cfg.publish.lora_format == "adapter":
-        from learner.trainer import publish_tensors
+        from learner.publisher import publish_tensors
         from services.weightstore import write_version
 
         tensors, layout = publish_tensors(engine, cfg, torch.float32)

@@ -1,9 +1,9 @@
 """Broadcast -> the real rollout engine (vLLM) receives the learner's version in memory -> its log-probs
 equal the learner's (publish.transport = "broadcast").
 
-The learner side is what rank 0 runs in ``learner.trainer._publish``: weights gathered from two real ZeRO-3
+The learner side is what rank 0 runs in ``learner.publisher.Publisher.publish``: weights gathered from two real ZeRO-3
 DeepSpeed steps (``one_rank_runs``, as in ``test_publish_to_vllm``), handed to
-``learner.broadcaster.Broadcaster``, which seats the members of the Redis board and streams the tensors
+``learner.publisher.Broadcaster``, which seats the members of the Redis board and streams the tensors
 over gloo. The server side is what the actor's broadcast watcher runs: join the board, wait for a seat,
 load the seat's ``broadcast://`` URI into the session's engine.
 """
@@ -31,7 +31,7 @@ async def test_a_broadcast_version_serves_the_learners_log_probs(one_rank_runs, 
     from broker import Keys
     from broker.broadcast import BroadcastBoard
     from broker.ledger import Ledger
-    from learner.broadcaster import Broadcaster
+    from learner.publisher import Broadcaster
     from rollout_server.engine import Sampling
     from services import weightstore as store
     from services.config import PublishConfig

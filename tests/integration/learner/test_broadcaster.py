@@ -1,4 +1,4 @@
-"""learner.broadcaster against a real Redis board: nothing sent without members, and a member that never
+"""learner.publisher.Broadcaster against a real Redis board: nothing sent without members, and a member that never
 joins costs the learner its timeout, then is dropped (it loads the version's files instead)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import uuid
 
 async def test_a_broadcast_without_members_sends_nothing(redis):
     from broker import Keys
-    from learner.broadcaster import Broadcaster
+    from learner.publisher import Broadcaster
     from services.config import PublishConfig
 
     keys = Keys(f"broadcast-{uuid.uuid4().hex[:8]}")
@@ -22,7 +22,7 @@ async def test_a_member_that_never_joins_is_dropped_and_the_learner_goes_on(redi
 
     from broker import Keys
     from broker.broadcast import BroadcastBoard
-    from learner.broadcaster import Broadcaster
+    from learner.publisher import Broadcaster
     from services.config import PublishConfig
 
     keys = Keys(f"broadcast-{uuid.uuid4().hex[:8]}")
@@ -56,7 +56,7 @@ async def test_a_server_killed_mid_broadcast_is_dropped_and_the_learner_goes_on(
 
     from broker import Keys
     from broker.broadcast import BroadcastBoard
-    from learner.broadcaster import Broadcaster
+    from learner.publisher import Broadcaster
     from services.config import PublishConfig
 
     keys = Keys(f"broadcast-{uuid.uuid4().hex[:8]}")

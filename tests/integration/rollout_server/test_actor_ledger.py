@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from broker import WeightRegistry
 from broker.broadcast import BroadcastBoard
 from broker.ledger import Ledger
-from learner.broadcaster import Broadcaster
+from learner.publisher import Broadcaster
 from tests.integration.rollout_server.test_actor import _config, _publish, actor_factory  # noqa: F401  (the fixture)
 from tests.integration.rollout_server.test_actor_broadcast import _until
 

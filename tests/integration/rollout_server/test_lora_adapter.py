@@ -4,7 +4,7 @@ replaces it with the next one.
 
 The adapters come from the learner's own code path: ``tests.selfcheck`` trains the tiny model's LoRA
 for one and for two steps with ``publish.lora_format = "adapter"`` and writes, for each, the version
-``learner.trainer.publish_tensors`` publishes (a PEFT adapter, through ``services.weightstore``) and
+``learner.publisher.publish_tensors`` publishes (a PEFT adapter, through ``services.weightstore``) and
 the full weights with the adapter merged in (``LearnerEngine.full_state_dict``: what ``"merged"``
 publishes). A sample's log-probs under the adapter must equal Hugging Face's under the merged
 weights of the same version within the tolerance the other reload tests use (2e-3), and differ

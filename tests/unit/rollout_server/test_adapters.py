@@ -2,7 +2,7 @@
 without an engine (tests/integration/rollout_server/test_lora_adapter.py loads adapters into vLLM).
 
 Adapters are written by the publish writer (``services.weightstore.write_version`` in PEFT's layout, as
-``learner.trainer.publish_tensors`` asks it to); the reference signature is the base model's."""
+``learner.publisher.publish_tensors`` asks it to); the reference signature is the base model's."""
 
 from __future__ import annotations
 
