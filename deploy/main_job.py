@@ -5,11 +5,13 @@
    Redis, reward server, control plane, rollout server, learner.
 3. Upload the training and held-out prompt sets and start the run on the
    control plane; follow it with a progress bar (step, reward, lag, the
-   newest held-out accuracy) until the learner finishes it. The rollout
+   newest held-out accuracy; plain lines when stdout is not a terminal:
+   ``deploy.progress``) until the learner finishes it. The rollout
    server evaluates version 0 at the start of the run, while the learner
    starts up, and every ``eval.every`` versions (:mod:`services.evaluate`).
-4. Make the rollout server serve the final version and evaluate it (unless a
-   rollout server already did); every sample must come from that version.
+4. Read the final version's held-out result: with ``eval.after`` the learner
+   asks a rollout server to evaluate it, as for any run, and the run finishes
+   once it is recorded (``learner.service.evaluate_final``).
 5. Write ``summary.json`` and the report plots, stop the stack, move its
    directory to ``runs/<run_id>/`` and print that path as the last line.
    ``accuracy_before`` / ``accuracy_after`` are the held-out accuracy of
@@ -39,14 +41,15 @@ from rich.console import Console
 from broker import Keys, WeightRegistry, connect
 from control_plane.trackers import TrackerError, preflight
 from deploy.audit import audit_file
+from deploy.progress import console as cli_console
 from deploy.progress import progress_bar
 from deploy.report import eval_text, pass_at, write_plots, write_summary
 from deploy.settings import StackSettings
 from deploy.stack import Stack
 from services import timeline, wire
-from services.clients import ControlClient, RewardClient, RolloutClient
+from services.clients import ControlClient
 from services.config import RunConfig
-from services.evaluate import RUN_JOB, EvalLog, evaluate
+from services.evaluate import EvalLog
 from services.run_states import TERMINAL_STATES
 
 
@@ -69,24 +72,15 @@ def ensure_model(config: RunConfig, console: Console) -> None:
                           progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))
 
 
-async def _eval_final(stack: Stack, config: RunConfig, run_id: str, version: int) -> wire.EvalPoint:
-    """The held-out result of the final ``version`` (the rollout server serves it): a rollout server's,
-    if it evaluated it during the run, else measured now over HTTP and recorded."""
+async def _final(stack: Stack, run_id: str) -> tuple[int, wire.EvalPoint | None]:
+    """The run's final version and its held-out result (recorded before the run finished: the learner asks
+    a rollout server for it with ``eval.after``, ``learner.service.evaluate_final``), or None."""
     redis = connect(stack.redis_url)
     try:
-        log = EvalLog(redis, Keys(run_id))
-        if version not in await log.points():
-            prompts = await log.prompts()
-            async with RolloutClient(stack.url("rollout"), stack.token) as rollout, \
-                    RewardClient(stack.url("reward"), stack.token) as reward:
-                with progress_bar("eval after", total=len(prompts)) as update:
-                    t0 = time.monotonic()
-                    result = await evaluate(rollout, reward, prompts, config, progress=lambda d: update(d))
-                    update(len(prompts), f"{time.monotonic() - t0:.1f} s")
-            if result.versions != {version}:
-                raise JobError(f"post-training eval used versions {sorted(result.versions)}, expected [{version}]")
-            await log.record(version, result, RUN_JOB)
-        return (await log.points())[version]
+        latest = await WeightRegistry(redis, Keys(run_id)).latest()
+        if latest is None:
+            raise JobError("the learner finished without publishing a weight version")
+        return latest.version, (await EvalLog(redis, Keys(run_id)).points()).get(latest.version)
     finally:
         await redis.aclose()
 
@@ -120,6 +114,7 @@ def _progress_note(st: wire.RunStatus) -> str:
 async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatus:
     async with ControlClient(stack.url("control"), stack.token) as control:
         with progress_bar("training", total=config.learner.steps) as update:
+            evaluated = None  # the newest evaluated version shown: a new one is worth a line in a log
             while True:
                 stack.check()  # restarts a crashed service (the control plane too: then try again)
                 try:
@@ -127,26 +122,12 @@ async def _follow(stack: Stack, config: RunConfig, run_id: str) -> wire.RunStatu
                 except httpx.TransportError:
                     await asyncio.sleep(1.0)
                     continue
-                update(st.run.step, _progress_note(st))
+                newest = st.eval.version if st.eval is not None else None
+                update(st.run.step, _progress_note(st), mark=newest != evaluated)
+                evaluated = newest
                 if st.run.state in TERMINAL_STATES:
                     return st
                 await asyncio.sleep(1.0)
-
-
-async def _serve_final(stack: Stack, run_id: str, timeout_s: float = 120.0) -> int:
-    """Make the rollout server serve the newest published version; return it."""
-    redis = connect(stack.redis_url)
-    try:
-        latest = await WeightRegistry(redis, Keys(run_id)).latest()
-    finally:
-        await redis.aclose()
-    if latest is None:
-        raise JobError("the learner finished without publishing a weight version")
-    async with RolloutClient(stack.url("rollout"), stack.token, max_total_s=timeout_s) as rollout:
-        status = await rollout.load_weights(wire.LoadWeights(version=latest.version, uri=latest.uri, sha256=latest.sha256))
-    if status.version != latest.version:
-        raise JobError(f"rollout server serves version {status.version}, not the final {latest.version}")
-    return latest.version
 
 
 def _stack_lines_only(console: Console):
@@ -160,7 +141,7 @@ def _stack_lines_only(console: Console):
 
 def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_root: Path = Path("runs")) -> Path:
     """Run the main job; return the run directory. Raises :class:`JobError` on failure."""
-    console = Console()
+    console = cli_console()
     started = time.monotonic()
     try:
         preflight(config)  # the control plane would refuse the run: say so before anything starts
@@ -188,14 +169,17 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         final = asyncio.run(_follow(stack, config, run_id))
         if final.run.state != "finished":
             raise JobError(f"run {run_id} ended {final.run.state}: {final.run.error}")
-        version = asyncio.run(_serve_final(stack, run_id))
-        after = asyncio.run(_eval_final(stack, config, run_id, version)) if config.eval.after else None
+        version, after = asyncio.run(_final(stack, run_id))
+        after = after if config.eval.after else None
         status = asyncio.run(_status(stack, run_id))
         spans, incidents = asyncio.run(_timeline(stack, run_id))
         points = asyncio.run(_metrics(stack, run_id))
         evals = eval_fields(points, after, config.eval.samples)["evals"]
         if config.eval.before and not any(e["version"] == 0 for e in evals):
             raise JobError("no held-out evaluation of version 0 was recorded (see the rollout server's log)")
+        if config.eval.after and after is None:
+            raise JobError(f"no held-out evaluation of the final version {version} was recorded (see the rollout "
+                           "server's and the learner's logs)")
         n = config.eval.samples
         if evals:  # none with [eval] off (examples/tool_arith: held-out evaluation is single-turn)
             console.print(f"held-out {'mean@n / pass@n' if n > 1 else 'accuracy'} by policy version: " + ", ".join(

@@ -15,7 +15,9 @@ Three modes:
   what the engine needs (``learner.distributed.preload``), then wait
   for the active run in the run registry (``services.runs.RunStore``), take
   its lease, mark it ``running``, train it with the config it was submitted
-  with, mark it ``finished`` or ``failed``; stop early when it is stopped;
+  with, mark it ``finished`` (with ``eval.after``, once the final version's
+  held-out evaluation is recorded: :func:`evaluate_final`) or ``failed``; stop
+  early when it is stopped;
   end the run's leftover groups in its ledger (``learner.trainer.close_run``);
   then wait for the next run.
 - ``TANDEM_LEARNER_ONE_RUN`` set (Modal: the control plane spawns a learner
@@ -172,6 +174,8 @@ class RunFollower:
         finally:
             watch.cancel()
         if trainer.status.state == "done":  # the trainer closed the run's ledger
+            if run.config.eval.after:
+                await evaluate_final(redis, Keys(run.run_id), self.stop_event)
             await store.set_state(run.run_id, "finished")
         elif trainer.status.state == "failed":
             await store.set_state(run.run_id, "failed", error=trainer.status.error or "learner failed")
@@ -304,3 +308,31 @@ def serve(settings: LearnerSettings, config: RunConfig | None) -> None:
                                            access_log=False))
     app.state.run_over = lambda: setattr(server, "should_exit", True)  # exits 0: no signal to re-raise
     run_server(server, app.title)
+
+
+FINAL_EVAL_WAIT_S = 600.0
+"""The longest a finished run waits for its final version's held-out result (``eval.after``)."""
+
+
+async def evaluate_final(redis, keys, stop: threading.Event, wait_s: float = FINAL_EVAL_WAIT_S) -> None:
+    """``eval.after``: ask the rollout servers to evaluate the run's final version (``EvalLog.request``; they
+    do it as for a version ``eval.every`` names) and wait until it is recorded, so that the run is marked
+    finished with it, whoever started the run (``tandem run`` or ``tandem submit``). A run without held-out
+    prompts has nothing to wait for; past ``wait_s`` (no rollout server left, an evaluation that failed) the
+    run finishes without it, logged."""
+    from broker import WeightRegistry
+    from services.evaluate import EvalLog
+
+    evals = EvalLog(redis, keys)
+    latest = await WeightRegistry(redis, keys).latest()
+    if latest is None or not await redis.llen(keys.eval_prompts):
+        return
+    await evals.request(latest.version)
+    deadline = time.monotonic() + wait_s
+    while latest.version not in await evals.points():
+        if time.monotonic() > deadline or stop.is_set():
+            log.warning("run %s: no held-out result of its final version %d after %.0f s; finishing without it",
+                        keys.run_id, latest.version, wait_s)
+            return
+        await asyncio.sleep(0.5)
+    log.info("run %s: final version %d evaluated", keys.run_id, latest.version)

@@ -55,7 +55,7 @@ Weights: a watcher waits on the registry (pub/sub plus polling) and loads
 each newer version as soon as it is published; admission's ``stale`` answer
 loads it too (whichever comes first; the engine's reload lock makes the other
 a no-op). What happens to groups in flight during a reload is the engine's
-policy (``engine`` module docstring): they finish on the old weights and are
+policy (``reload`` module docstring): they finish on the old weights and are
 tagged with the old version. With ``publish.transport = "broadcast"`` the
 actor is also a member of the run's weight group (``broker.broadcast``) and
 receives each version the learner announces in memory, before its files are
@@ -70,6 +70,8 @@ are generated; training groups go on generating meanwhile, in the same engine
 batches. Scoring (batched) and recording the ``"eval"`` point go on in the
 background. A point is recorded only if every sample came from its version. A
 server catching up over several versions at once loads the due ones on the way.
+The final version (``eval.after``) is due once the learner asks for it (``EvalLog.request``), which may
+come after this server loaded it: a watcher looks for the request every :data:`REQUEST_POLL_S`.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ from broker.broadcast import BroadcastBoard
 from broker.ledger import Ledger
 from broker.streams import raise_if_cancelled
 from broker.weight_versions import WeightVersion
-from rollout_server.engine import EngineDead, InvalidRequest, RolloutEngine, Sampling
+from rollout_server.engine import RolloutEngine, Sampling
 from rollout_server.episodes import EpisodeGeneration, run_episodes
+from rollout_server.errors import EngineDead, InvalidRequest
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from rollout_server.tools import ToolBox
@@ -105,6 +108,8 @@ log = logging.getLogger("tandem.rollout.actor")
 
 HEARTBEAT_S = 10.0
 LOAD_RETRY_S = 5.0
+REQUEST_POLL_S = 1.0
+"""How often the actor looks whether the learner asked for its loaded version's evaluation (the final one)."""
 BROADCAST_HEARTBEAT_S = 5.0
 """A broadcast member renews its place on the board this often (the learner seats those seen in 30 s)."""
 
@@ -194,6 +199,8 @@ class Actor:
             if self.config.publish.transport == "broadcast" and self.engine.workers > 0:
                 tg.create_task(self._watch_broadcasts())
             tg.create_task(self._heartbeat())
+            if self.config.eval.after:
+                tg.create_task(self._watch_requests())
             await self._admit(tg)
 
     async def _admit(self, tg: asyncio.TaskGroup) -> None:
@@ -333,7 +340,7 @@ class Actor:
         ``_hold``: every held-out prompt is generated (batched by vLLM with the training groups in
         flight) before another version can load; scoring and recording go on in the background."""
         version = self.engine.version
-        if not due(version, self.config.eval):
+        if not due(version, self.config.eval) and version not in await self.evals.requested():
             return
         if self._eval_prompts is None:
             self._eval_prompts = await self.evals.prompts()
@@ -344,6 +351,18 @@ class Actor:
             samples = await asyncio.gather(*[self._eval_one(i, p) for i, p in enumerate(self._eval_prompts)])
         gen_s = time.monotonic() - t0
         self._tasks.create_task(self._score_eval(version, samples, gen_s, t0), name=f"eval-v{version}")
+
+    async def _watch_requests(self) -> None:
+        """Evaluate the loaded version once the learner asks for it (the run's final version, which this
+        server may have loaded before the learner finished), unless another server claimed it."""
+        asked = -1
+        while True:
+            await asyncio.sleep(REQUEST_POLL_S)
+            version = self.engine.version
+            if version != asked and version in await self.evals.requested():
+                asked = version
+                async with self._hold:
+                    await self._evaluate_if_due()
 
     async def _eval_one(self, i: int, prompt: wire.EvalPrompt) -> list[wire.Sample] | None:
         """The ``eval.samples`` completions (greedy unless ``eval.temperature``) of one held-out prompt;

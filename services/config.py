@@ -295,7 +295,8 @@ class EvalConfig(Section):
     before: bool = True
     """Evaluate version 0 (the initial policy) when the run starts, while the learner starts up."""
     after: bool = True
-    """Evaluate the final version after training (``tandem run``)."""
+    """Evaluate the final version after training, whoever started the run (the learner asks the rollout
+    servers for it and marks the run finished once it is recorded)."""
     every: int = Field(default=0, ge=0)
     """Also evaluate every N published versions (0 = never during training). Needs a held-out
     prompt set with the run (``tandem run`` and ``tandem submit`` upload ``data.eval``)."""

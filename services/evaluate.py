@@ -9,8 +9,11 @@ Who talks to whom:
 - each rollout server's actor evaluates the versions :func:`due` names (version 0 when
   ``eval.before``, then every ``eval.every`` published versions) right after it loads one, on its
   own engine; with several rollout servers the first to :meth:`EvalLog.claim` a version does it;
-- ``tandem run`` evaluates the final version over HTTP (:func:`evaluate`) after the run, unless a
-  rollout server already did.
+- the learner, once it has trained a run's last step (``eval.after``), asks for its final version
+  (:meth:`EvalLog.request`), whether or not ``eval.every`` names it, and marks the run finished once
+  a rollout server evaluated it the same way: a run started by ``tandem submit`` gets its final
+  evaluation as one started by ``tandem run`` does, and a finished run's status holds it;
+- :func:`evaluate` measures the version a rollout server serves over HTTP (``bench``, tests).
 
 Every result goes through :meth:`EvalLog.record`: the run's ``"eval"`` metric point (step = the
 version, ``accuracy``, ``count``) is appended at most once per version, whoever records it, in the
@@ -59,8 +62,6 @@ SCORE_BATCH = 1024
 completions well under the reward server's request-size cap)."""
 HTTP_CONCURRENCY = 256
 """Prompts :func:`evaluate` keeps in flight over HTTP (below the rollout server's ``max_pending_seqs``)."""
-RUN_JOB = "tandem-run"
-"""Who recorded a point evaluated by ``tandem run`` (a rollout server records its own id)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,15 @@ class EvalLog:
 
     async def prompts(self) -> list[wire.EvalPrompt]:
         return [wire.decode(wire.EvalPrompt, raw) for raw in await self.redis.lrange(self.keys.eval_prompts, 0, -1)]
+
+    async def request(self, version: int) -> None:
+        """Ask the rollout servers to evaluate ``version`` although :func:`due` does not name it (the final one)."""
+        await self.redis.hset(self.keys.evals, f"request:{version}", "1")
+
+    async def requested(self) -> set[int]:
+        """The versions :meth:`request` asked for."""
+        return {int(k[8:]) for k in (k.decode() for k in await self.redis.hkeys(self.keys.evals))
+                if k.startswith("request:")}
 
     async def claim(self, version: int, who: str) -> bool:
         """True for the first caller only: it evaluates ``version``."""
