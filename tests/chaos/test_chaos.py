@@ -25,6 +25,10 @@ from tests.chaos.harness import LEASE_S, SCORE_TIMEOUT_S, Fault, as_json, run_ch
 
 pytestmark = [pytest.mark.slow, pytest.mark.stack]
 
+POOL_KEEPALIVE = 20
+"""Idle connections an HTTP client's pool keeps (httpx's default ``max_keepalive_connections``; the
+services' clients, ``services.clients``, use the default)."""
+
 
 def check(report, min_gain: float | None = 0.03) -> None:
     print(report.table())
@@ -38,8 +42,15 @@ def check(report, min_gain: float | None = 0.03) -> None:
     assert not report.leftover_processes, f"processes left: {report.leftover_processes}"
     assert not report.leftover_tmp, f"temporary directories left: {report.leftover_tmp}"
     for name, after in report.fds_after.items():  # no growth once pools are warm (same process)
-        assert after <= report.fds_mid[name] + 8, (name, report.fds_mid[name], after, report.fd_kinds_mid[name],
-                                                   report.fd_kinds_after[name])
+        mid_kinds, after_kinds = report.fd_kinds_mid[name], report.fd_kinds_after[name]
+        sockets_mid, sockets_after = mid_kinds.get("socket", 0), after_kinds.get("socket", 0)
+        # Sockets: an HTTP client's pool keeps up to max_keepalive_connections idle connections, opened
+        # as concurrency rises (on a loaded machine more requests overlap late in the run: a make test-long
+        # run at load 12 saw the reward server go from 12 to 21 sockets); a leak of one per request or per
+        # retry grows past that within a few steps (each step scores and executes dozens of requests). Every other fd (pipes, eventfds, files) stays within a few of its count.
+        assert sockets_after <= sockets_mid + POOL_KEEPALIVE, (
+            name, sockets_mid, sockets_after)
+        assert after - sockets_after <= report.fds_mid[name] - sockets_mid + 4, (name, mid_kinds, after_kinds)
     if min_gain is not None:
         # 200 held-out prompts (one is 0.5 points): a 3-point margin is not rounding luck
         assert report.accuracy_after >= report.accuracy_before + min_gain, (report.accuracy_before, report.accuracy_after)
