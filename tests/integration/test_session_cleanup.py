@@ -105,6 +105,7 @@ def _alive(tree: dict[int, int]) -> dict[int, str]:
     return left
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow  # over 9 s: make test, not make test-fast
 def test_a_killed_session_leaves_no_process(tmp_path):
     (tmp_path / "test_child.py").write_text(CHILD)

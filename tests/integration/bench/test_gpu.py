@@ -42,6 +42,7 @@ def test_gpu_bench_runs_the_learner_step_publish_packing_and_broadcast_on_a_tiny
     assert b["backend"] == "gloo" and b["bytes"] == 50_000_000 and b["gb_per_s"] > 0
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow
 def test_transfer_bench_times_every_piece_and_the_http_copy_is_the_version(tmp_path):
     out = tmp_path / "transfer.json"

@@ -75,6 +75,7 @@ async def test_services_under_load_refuse_with_retry_after_stay_healthy_and_leak
     assert load.verdict(report) == []
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_control_plane_bounds_its_redis_connections_and_answers_503_without_redis(tmp_path, tiny_model):
     """100 dashboard polls at once share at most REDIS_CONNECTIONS connections and all succeed; with
     Redis gone the control plane answers 503 with Retry-After, not 500, once its reconnection attempts

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 def test_publish_step_bench_times_both_transports_and_the_member_gets_every_broadcast(tmp_path):
     out = tmp_path / "publish-step.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")

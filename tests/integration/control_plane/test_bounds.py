@@ -188,6 +188,7 @@ async def test_upload_leaves_the_event_loop_free(control_redis):
     assert max(gaps) < 0.5, f"the loop stalled {max(gaps):.2f} s during a {took:.1f} s upload"
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_upload_memory_is_about_the_stored_size(control_redis):
     """Peak Python allocations stay near the encoded lines' size (a decoded copy of 8 MB of lines is ~50 MB)."""
     body = body_of(FULL)
@@ -286,6 +287,7 @@ def big_control(control_process) -> str:
     return control_process(TANDEM_CONTROL_MAX_PROMPT_SET_BYTES=str(3 * EIGHT_MB))
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_health_answers_during_a_max_size_upload(big_control):
     """/healthz is asked every 20 ms while 8 MB of lines upload; slow answers (over 0.1 s) add up.
 

@@ -45,6 +45,7 @@ async def _wait(cond, timeout_s: float = 10.0):
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_a_stopped_process_is_recorded_as_a_stall(own_redis):
     redis = connect(own_redis)
     run_id = "stall-run"

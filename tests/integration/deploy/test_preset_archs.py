@@ -121,6 +121,7 @@ async def train_publish_serve(engine, model: Path, name: str, version: int, tmp_
     return written.path
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.usefixtures("engine_left_serving")
 async def test_qwen3_dense_trains_and_serves(tiny_model, rollout_engine, weight_versions, tmp_path):
     """Qwen3 dense (Qwen3-4B/8B/14B-Base): the session's tiny Qwen3 and its shared vLLM engine."""
@@ -170,6 +171,7 @@ async def test_other_class_trains_and_serves(kind, tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 def test_moe_experts_shard_over_two_zero3_ranks(tmp_path):
     """Qwen3-MoE on 2 ranks under ZeRO-3: each rank holds half of every expert tensor (transformers 5
     keeps a layer's experts as fused parameters of one module, gathered whole when the layer runs,

@@ -95,6 +95,7 @@ async def test_parquet_messages_csv_prompts_and_jsonl_template_fields_import_as_
         assert lines[0] == {"inputs": {"question": "What is 2+2?"}, "fields": {"answer": "4", "extract": "boxed"}}
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_save_to_disk_folders_import_a_chosen_split(serve_control, control_redis, files):
     async with serve_control() as url:
         code, out, err = await tandem("prompts", "import", str(files / "splits"), "--url", url, "--split", "test",

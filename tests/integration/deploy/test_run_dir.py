@@ -10,11 +10,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from host.processes import stop_group
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 def test_up_and_the_clients_use_tandem_run_dir_when_no_flag_is_given(tmp_path):
     run_dir = tmp_path / "mine"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}

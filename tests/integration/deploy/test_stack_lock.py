@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from host.processes import stop_group
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,6 +31,7 @@ def _wait_up(proc: subprocess.Popen, run_dir: Path, log: Path) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 def test_a_second_stack_on_one_run_directory_refuses_and_the_lock_goes_with_the_first(tmp_path):
     run_dir = tmp_path / "stack"
     first = _up(run_dir, tmp_path / "first.log")

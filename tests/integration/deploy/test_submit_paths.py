@@ -18,6 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 from rollout_server.follower import serves_model
 from services.config import load_run_config
 from services.runs import RunStore
@@ -47,6 +49,7 @@ async def _submit(config: Path, url: str, client_run_dir: Path) -> tuple[int, st
     return proc.returncode, out.decode()
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_submit_stores_the_model_path_the_deployed_services_load(control_db_url, control_redis, tmp_path):
     from control_plane import build_app
     from host.processes import free_port

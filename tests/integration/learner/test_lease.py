@@ -52,6 +52,7 @@ async def test_a_second_standing_learner_leaves_a_leased_run_alone(
     assert await Lease(control_redis, keys.learner_lease, "observer", 1).current() is None  # released
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 async def test_a_learner_restarted_under_its_holder_id_takes_its_lease_over_at_once(
         control_db_url, control_redis, tiny_model, tmp_path, learner_proc, monkeypatch):
     """`tandem up` restarts a crashed learner under the same holder id (the stack's), as Modal retries a

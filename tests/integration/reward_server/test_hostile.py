@@ -241,6 +241,7 @@ for path in ["/x", "/usr/x", "/opt/tandem/x"]:
     await still_fine(reward_server)
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_one_hostile_program_does_not_stall_the_others(reward_server):
     hog = {**FAST, "wall_s": 10.0, "cpu_s": 10.0}
     slow = asyncio.create_task(execute(reward_server, "while True:\n    pass\n", hog))

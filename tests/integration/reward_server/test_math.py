@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from pebble import CONSTS
 
 from reward_server.verifiers.math import MathVerifier
@@ -42,6 +43,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_runaway_comparison_kills_its_worker_and_the_next_one_is_answered():
     before = spawned_children()
     verifier = MathVerifier(workers=1, timeout_s=3.0)

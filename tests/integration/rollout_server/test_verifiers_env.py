@@ -136,6 +136,7 @@ async def _groups(rollout_server, env_id, token_var, n=3):
         return tasks, [await source.group(task, n) for task in tasks], source.versions_inexact
 
 
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 async def test_a_verifiers_env_becomes_token_exact_training_groups(rollout_server, sums_env, token_var, hf_logprobs,
                                                                   weight_versions, tiny_model, tmp_path):
     engine = rollout_server.app.state.engine

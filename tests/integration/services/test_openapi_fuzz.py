@@ -143,6 +143,8 @@ def check_outside_schema(url: str, paths: list[str]) -> None:
     assert httpx.get(f"{url}/healthz", timeout=30).status_code == 200
 
 
+@pytest.mark.slow
+@pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it
 def test_control_plane_fuzz(control_url, examples):
     schema = schema_of(control_url, TOKEN)
     auth = {"Authorization": f"Bearer {TOKEN}"}

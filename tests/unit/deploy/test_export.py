@@ -180,6 +180,7 @@ def test_sizes():
         parse_size("five")
 
 
+@pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_best_reads_the_scores_of_a_running_stack_from_its_redis(tmp_path, tiny_model, other_weights, redis,
                                                                        redis_url, keys):
     """Under ``tandem up`` the final version's evaluation may come after the learner's last retention
