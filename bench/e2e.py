@@ -104,6 +104,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.plan_cpu import SIZES  # noqa: E402
 from bench.pools import measure_costs, report  # noqa: E402
+from host.cpu import descendants, read_stat  # noqa: E402
 
 CONFIG = ROOT / "examples/arith/run.toml"
 RESULTS = ROOT / "bench/results/e2e.json"
@@ -283,25 +284,8 @@ def children_cpu_s() -> float:
 
 def tree_cpu_s(root: int) -> float:
     """CPU seconds of ``root``'s live descendants (each with its reaped children) plus our reaped children."""
-    tick = os.sysconf("SC_CLK_TCK")
-    parent, cpu = {}, {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            rest = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # ended meanwhile
-        parent[int(d)] = int(rest[1])
-        cpu[int(d)] = sum(int(x) for x in rest[11:15]) / tick
-    total = 0.0
-    for pid in cpu:
-        p = pid
-        while p > 1 and p != root:
-            p = parent.get(p, 0)
-        if p == root and pid != root:
-            total += cpu[pid]
-    return total + children_cpu_s()
+    below = descendants([root]) - {root}
+    return sum(stat[2] for pid in below if (stat := read_stat(pid)) is not None) + children_cpu_s()
 
 
 class TreeSampler(threading.Thread):

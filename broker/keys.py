@@ -155,6 +155,12 @@ class Keys:
         return self._k("heartbeats")
 
     @property
+    def cpu(self) -> str:
+        """String: the run's CPU account (JSON of ``services.wire.CpuAccount``), rewritten every few seconds
+        by the stack that runs the services (``deploy.cpu_account``)."""
+        return self._k("cpu")
+
+    @property
     def incidents(self) -> str:
         """Stream of watchdog incidents (a call that outlived its bound: what, waited, limit, action)."""
         return self._k("incidents")

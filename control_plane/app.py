@@ -57,6 +57,7 @@ from services.reward_specs import REWARD_TYPES, RewardSpec
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
 from services.watchdog import IncidentLog
 from services.wire import (
+    CpuAccount,
     CreateRun,
     EvalPrompt,
     MetricsPage,
@@ -234,6 +235,17 @@ async def list_runs(request: Request, limit: Annotated[int, Query(ge=1, le=1000)
     return await _state(request).runs.list(limit)
 
 
+async def _cpu(redis, keys: Keys, samples_trained: int) -> CpuAccount | None:
+    """The run's CPU account as the stack that runs its services last wrote it (``deploy.cpu_account``),
+    per trained sample; None without one, or if it cannot be read."""
+    raw = await redis.get(keys.cpu)
+    try:
+        return CpuAccount.model_validate_json(raw).per_sample(samples_trained) if raw else None
+    except ValueError:
+        log.warning("run %s: unreadable CPU account ignored", keys.run_id)
+        return None
+
+
 @router.get("/runs/{run_id}", response_model=RunStatus, summary="A run's state, progress, staleness, throughput")
 async def run_status(run_id: str, request: Request) -> RunStatus:
     state = _state(request)
@@ -273,6 +285,7 @@ async def run_status(run_id: str, request: Request) -> RunStatus:
         ),
         counters=counters,
         incidents=await IncidentLog(state.redis, keys).recent(INCIDENTS_SHOWN),
+        cpu=await _cpu(state.redis, keys, counters.get("accepted", 0) * config.sampling.group_size),
     )
 
 

@@ -43,7 +43,7 @@ from control_plane.trackers import TrackerError, preflight
 from deploy.audit import audit_file
 from deploy.progress import console as cli_console
 from deploy.progress import progress_bar
-from deploy.report import eval_text, pass_at, write_plots, write_summary
+from deploy.report import cpu_text, eval_text, pass_at, write_plots, write_summary
 from deploy.settings import StackSettings
 from deploy.stack import Stack
 from services import timeline, wire
@@ -171,6 +171,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
             raise JobError(f"run {run_id} ended {final.run.state}: {final.run.error}")
         version, after = asyncio.run(_final(stack, run_id))
         after = after if config.eval.after else None
+        stack.cpu.record(run_id, force=True)  # the account up to the run's end, for the status
         status = asyncio.run(_status(stack, run_id))
         spans, incidents = asyncio.run(_timeline(stack, run_id))
         points = asyncio.run(_metrics(stack, run_id))
@@ -193,6 +194,8 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         if after is not None:
             console.print(f"held-out accuracy after:  {eval_text(after)} (policy version {version}, "
                           f"{after.count} prompts)")
+        if status.cpu is not None:
+            console.print(f"CPU-seconds per trained sample: {cpu_text(status.cpu)}")
     finally:
         stack.stop()
         if run_id is not None and work.exists():
@@ -220,6 +223,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         "throughput": _run_means(points, wire.Throughput.model_fields),
         "episodes": _run_means(points, EPISODE_MEANS),
         "incidents": [i.model_dump(mode="json", exclude={"stack"}) for i in incidents],
+        "cpu": status.cpu.model_dump(mode="json") if status.cpu is not None else None,
     }
     try:
         verdict = audit_file(run_dir).as_dict()

@@ -59,10 +59,21 @@ def status_table(st: wire.RunStatus) -> Table:
         ("queued / in flight / backlog", f"{s.queued} / {s.in_flight} / {s.backlog}"),
         ("rollout / learner tokens/s", f"{_fmt(t.rollout_tokens_per_s)} / {_fmt(t.learner_tokens_per_s)}"),
         ("rollout / learner idle", f"{_fmt(t.rollout_idle_frac, True)} / {_fmt(t.learner_idle_frac, True)}"),
+        *([("CPU-s per trained sample", cpu_text(st.cpu))] if st.cpu is not None else []),
     ]
     for k, v in rows:
         table.add_row(k, v)
     return table
+
+
+def cpu_text(cpu: wire.CpuAccount) -> str:
+    """``0.0158 (rollout 0.0061, learner 0.0052, ...)``: CPU-seconds per trained sample, the whole stack's
+    then each service's, largest first; CPU-seconds instead before any sample trained."""
+    if cpu.per_sample_s is None:
+        return "no sample trained yet; CPU-s so far: " + ", ".join(
+            f"{name} {c.cpu_s:.1f}" for name, c in sorted(cpu.services.items(), key=lambda kv: -kv[1].cpu_s))
+    parts = sorted(cpu.services.items(), key=lambda kv: -(kv[1].per_sample_s or 0))
+    return f"{cpu.per_sample_s:.4g} (" + ", ".join(f"{name} {c.per_sample_s:.3g}" for name, c in parts) + ")"
 
 
 def series(points: list[wire.MetricPoint]) -> dict[str, list[tuple[int, float]]]:

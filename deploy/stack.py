@@ -60,6 +60,7 @@ from pathlib import Path
 import httpx
 
 from broker.embedded import EmbeddedRedis
+from deploy.cpu_account import CpuAccountant
 from deploy.launch import serve_argv, torchrun_argv
 from deploy.settings import StackSettings
 from host.files import write_atomic
@@ -142,6 +143,7 @@ class Stack:
         self.redis_restarts = 0
         self._tmp_root: Path | None = None  # the services' TMPDIRs (mkdtemp, 0700), removed at stop
         self._tag = owner_tag(f"{os.getpid()}-{secrets.token_hex(4)}")  # marks every process this stack starts
+        self.cpu = CpuAccountant(self)  # the CPU account of the run it works on, kept by check()
 
     # -- start -------------------------------------------------------------
 
@@ -284,6 +286,8 @@ class Stack:
             self._spawn(child)
             self._wait_healthy(child)
             self._rewrite_info()
+        if not self._stopping.is_set():
+            self.cpu.record()
 
     def _end_group(self, child: Child) -> int:
         """After ``child`` exited: SIGKILL whatever it started that is still alive, in its process
@@ -340,6 +344,7 @@ class Stack:
             if self._tmp_root is not None:
                 shutil.rmtree(self._tmp_root, ignore_errors=True)
                 self._tmp_root = None
+            self.cpu.close()
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None

@@ -6,7 +6,9 @@ track inside it (``rank0``, ``admit``, ``groups``, ``weights``, ``eval``,
 ``stalled``). Spans that overlap on one track without nesting (the groups a
 rollout server generates at once) are spread over lanes ``groups #1``,
 ``groups #2``, ...; spans nested in another (``forward`` inside ``step``)
-stay on its lane. Incidents are instant events on their service. Times are
+stay on its lane. Incidents are instant events on their service. The stack's
+CPU account (``deploy.cpu_account``) is a counter, ``CPU cores``, on the
+``stack`` process: the cores each service used over each interval. Times are
 microseconds since the run's first span; each event's ``args`` hold the
 span's attributes (group id, version, reason, step).
 
@@ -58,9 +60,11 @@ def _service_key(name: str) -> tuple:
 
 def trace_events(spans: list[Span], incidents: list[Incident] = ()) -> dict:
     """The trace-event JSON object (``{"traceEvents": [...], "displayTimeUnit": "ms"}``)."""
-    starts = [s.start for s in spans] + [i.at for i in incidents]
+    counters = [s for s in spans if s.name == "cpu" and s.track == "cpu"]
+    spans = [s for s in spans if not (s.name == "cpu" and s.track == "cpu")]
+    starts = [s.start for s in spans + counters] + [i.at for i in incidents]
     t0 = min(starts) if starts else 0.0
-    services = sorted({s.service for s in spans} | {i.source for i in incidents}, key=_service_key)
+    services = sorted({s.service for s in spans + counters} | {i.source for i in incidents}, key=_service_key)
     pid = {name: n + 1 for n, name in enumerate(services)}
     events: list[dict] = []
     for name in services:
@@ -87,6 +91,11 @@ def trace_events(spans: list[Span], incidents: list[Incident] = ()) -> dict:
             events.append({"ph": "X", "name": s.name, "cat": s.service.split(":")[0], "pid": pid[service],
                            "tid": tids[lane], "ts": round((s.start - t0) * 1e6, 1),
                            "dur": round(max(0.0, s.end - s.start) * 1e6, 1), "args": s.attrs})
+    for c in counters:  # the stack's CPU account: cores in use per service over each interval
+        width = max(1e-6, c.end - c.start)
+        events.append({"ph": "C", "name": "CPU cores", "pid": pid[c.service], "tid": 0,
+                       "ts": round((c.start - t0) * 1e6, 1),
+                       "args": {service: round(float(sec) / width, 3) for service, sec in sorted(c.attrs.items())}})
     for inc in incidents:
         events.append({"ph": "i", "s": "p", "name": f"incident: {inc.what}"[:200], "cat": "incident",
                        "pid": pid[inc.source], "tid": 0, "ts": round((inc.at - t0) * 1e6, 1),

@@ -152,8 +152,13 @@ def owner_tag(name: str) -> str:
 
 def owned_by(tag: str) -> list[int]:
     """Live processes whose environment carries ``OWNER_VARIABLE=tag`` (or a tag below it: ``tag/...``)."""
+    return list(owners(tag))
+
+
+def owners(tag: str) -> dict[int, str]:
+    """:func:`owned_by` with each process's own tag (``tag`` or ``tag/...``): pid -> tag."""
     want = f"{OWNER_VARIABLE}={tag}".encode()
-    out = []
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -162,8 +167,11 @@ def owned_by(tag: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if state != "Z" and any(v == want or v.startswith(want + b"/") for v in env):
-            out.append(int(entry.name))
+        if state == "Z":
+            continue
+        found = next((v for v in env if v == want or v.startswith(want + b"/")), None)
+        if found is not None:
+            out[int(entry.name)] = found.split(b"=", 1)[1].decode(errors="replace")
     return out
 
 

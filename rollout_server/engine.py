@@ -62,6 +62,7 @@ from rollout_server.metrics import RolloutMetrics, stat_logger_factory
 from rollout_server.reload import WeightReloads
 from rollout_server.rendering import PromptRendering
 from rollout_server.settings import RolloutSettings
+from rollout_server.vllm_plugin import SPIN_VARIABLE
 from services import watchdog
 from services.config import WatchdogConfig
 from services.weightstore import checkpoint_signature
@@ -221,6 +222,8 @@ class RolloutEngine(PromptRendering, WeightReloads):
             worker_extension_cls="rollout_server.worker_ext.TandemWorkerExtension",
             **(lora_engine_args(lora_rank, lora_targets) if lora_rank else {}),
         )
+        if settings.vllm_spin_s is not None:  # read by vLLM's processes, which inherit it (vllm_plugin)
+            os.environ[SPIN_VARIABLE] = repr(settings.vllm_spin_s)
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])
         try:

@@ -75,6 +75,10 @@ class RolloutSettings(WorkerSettings):
     config (``tandem up``'s stack) that is to serve adapter runs."""
     seed: int = Field(default=0)
     """Engine seed (requests without a seed draw from it)."""
+    vllm_spin_s: float | None = Field(default=0.05, ge=0)
+    """How long vLLM's engine core and workers spin on their shared-memory queue after a message before
+    they sleep until the next (``rollout_server.vllm_plugin``). vLLM's own is 1 s: between two waves of
+    groups the idle engine would keep a core busy that the learner could use. None: vLLM's own."""
     actor_concurrency: int = Field(default=32, ge=1)
     """Prompt groups the actor loop keeps in the engine at once (they batch together).
     Admission capacity bounds it too."""

@@ -562,6 +562,33 @@ class Throughput(Wire):
     learner_idle_frac: float | None
 
 
+class ServiceCpu(Wire):
+    cpu_s: float = Field(ge=0, description="CPU-seconds its processes used since the run started.")
+    per_sample_s: float | None = Field(default=None, description="cpu_s per trained sample (None before any).")
+    processes: dict[str, float] = Field(
+        default_factory=dict, description="cpu_s by process name (python, VLLM::EngineCor, runsc-sandbox, ...).")
+
+
+class CpuAccount(Wire):
+    """Where a run's CPU went, per service: measured from ``/proc`` by the stack that runs the services
+    (``tandem run``, ``tandem up``: ``deploy.cpu_account``) every few seconds, from the moment it first saw
+    the run; absent for services it does not run (a deployment without a stack). ``stack`` is the
+    supervising process itself (``tandem run`` with its progress line, or ``tandem up``)."""
+
+    at: float = Field(description="Unix time of the reading.")
+    services: dict[str, ServiceCpu]
+    samples_trained: int = Field(default=0, ge=0, description="Trained groups times the group size, then.")
+    per_sample_s: float | None = Field(default=None, description="Every service's CPU per trained sample.")
+
+    def per_sample(self, samples_trained: int) -> CpuAccount:
+        """The account with its per-sample figures for ``samples_trained``."""
+        per = (lambda s: s / samples_trained) if samples_trained else (lambda s: None)
+        return self.model_copy(update={
+            "samples_trained": samples_trained,
+            "per_sample_s": per(sum(c.cpu_s for c in self.services.values())),
+            "services": {n: c.model_copy(update={"per_sample_s": per(c.cpu_s)}) for n, c in self.services.items()}})
+
+
 class Incident(Wire):
     """A watchdog fired (``services.watchdog``): ``what`` waited ``waited_s`` on ``on``, past
     ``limit_s`` (the run config's ``field``), and ``action`` is what was done about it.
@@ -610,6 +637,8 @@ class RunStatus(Wire):
     counters: dict[str, int]
     incidents: list[Incident] = Field(
         default_factory=list, description="The newest watchdog incidents of the run, newest first.")
+    cpu: CpuAccount | None = Field(default=None, description="CPU per service and per trained sample, where a "
+                                                             "stack runs the services.")
 
 
 # --------------------------------------------------------------------------

@@ -116,6 +116,18 @@ def test_tandem_run_writes_summary_and_report_and_survives_learner_kills_in_its_
     assert 0 < summary["wall_s"] <= wall
     t = summary["throughput"]  # the run's means, not the last sample (taken once the rollout side idled)
     assert t["rollout_tokens_per_s"] > 0 and t["learner_tokens_per_s"] > 0 and t["rollout_idle_frac"] < 1, t
+    # the CPU account (deploy.cpu_account): every process of every service, per trained sample; the
+    # rollout server's vLLM engine core apart from its service process
+    cpu = summary["cpu"]
+    assert cpu["samples_trained"] == summary["groups_trained"] * config.sampling.group_size
+    assert set(cpu["services"]) == {"reward", "control", "rollout", "learner", "redis", "stack"}, cpu
+    for name, c in cpu["services"].items():
+        assert c["cpu_s"] > 0 and c["per_sample_s"] == pytest.approx(c["cpu_s"] / cpu["samples_trained"]), (name, c)
+        assert sum(c["processes"].values()) == pytest.approx(c["cpu_s"], abs=0.01), (name, c)
+    assert cpu["per_sample_s"] == pytest.approx(sum(c["cpu_s"] for c in cpu["services"].values())
+                                                / cpu["samples_trained"])
+    assert {"VLLM::EngineCor", "python"} <= set(cpu["services"]["rollout"]["processes"]), cpu
+    assert "CPU-seconds per trained sample: " in done.stdout
 
     report = run_dir / "report"
     assert sorted(p.name for p in report.iterdir()) == sorted(f"{c}.png" for c in CHARTS)

@@ -54,6 +54,19 @@ def test_trace_events_are_valid_and_complete():
     assert len(instants) == 1 and instants[0]["pid"] == 1 and instants[0]["ts"] == 5e6
 
 
+def test_the_stacks_cpu_account_is_a_counter_of_cores_per_service():
+    spans = [_span("step", 100.0, 102.0),
+             _span("cpu", 100.0, 105.0, "stack", "cpu", rollout=5.0, learner=2.5),
+             _span("cpu", 105.0, 110.0, "stack", "cpu", rollout=2.5, learner=5.0)]
+    events = trace.trace_events(spans)["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["step"]  # the account is no span
+    counters = [e for e in events if e["ph"] == "C"]
+    assert [(e["ts"], e["args"]) for e in counters] == [(0, {"learner": 0.5, "rollout": 1.0}),
+                                                       (5e6, {"learner": 1.0, "rollout": 0.5})]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names[counters[0]["pid"]] == "stack"
+
+
 def test_tandem_trace_on_a_run_directory(tmp_path):
     run = tmp_path / "runs" / "r1"
     run.mkdir(parents=True)
