@@ -10,7 +10,7 @@ server shares a machine's cores with the learner it takes them from the learner'
 ``bench/cpu_profile.py`` found a third of the rollout server's CPU in that loop
 (docs/performance.md, "Where the CPU goes").
 
-:func:`register` caps that spin at ``TANDEM_VLLM_SPIN_S`` seconds (the rollout server sets it from
+:func:`register` caps that spin at ``_TANDEM_VLLM_SPIN_S`` seconds (the rollout server sets it from
 ``TANDEM_ROLLOUT_VLLM_SPIN_S``, ``rollout_server.settings``); past it the reader blocks on the queue's
 notification socket, as vLLM's does after its second. Unset (any other vLLM in this environment),
 the plugin changes nothing.
@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 
-SPIN_VARIABLE = "TANDEM_VLLM_SPIN_S"
+SPIN_VARIABLE = "_TANDEM_VLLM_SPIN_S"
+"""Set in the rollout server's own environment, which every process it starts inherits: underscored, as
+``_TANDEM_OWNER``, so that it is no ``TANDEM_*`` setting, which the services' settings check would refuse."""
 
 
 def register() -> None:

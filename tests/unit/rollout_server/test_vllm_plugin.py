@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 CHECK = """
 import os, time
-os.environ["TANDEM_VLLM_SPIN_S"] = "0.05"
+os.environ["_TANDEM_VLLM_SPIN_S"] = "0.05"
 from vllm.plugins import load_general_plugins
 load_general_plugins()  # what vLLM's engine core and workers do at start
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
@@ -31,7 +31,17 @@ def test_the_plugin_is_installed_and_a_reader_past_the_cap_blocks_instead_of_spi
 
 
 def test_unset_it_changes_nothing():
-    unset = CHECK.replace('os.environ["TANDEM_VLLM_SPIN_S"] = "0.05"', 'os.environ.pop("TANDEM_VLLM_SPIN_S", None)')
+    unset = CHECK.replace('os.environ["_TANDEM_VLLM_SPIN_S"] = "0.05"', 'os.environ.pop("_TANDEM_VLLM_SPIN_S", None)')
     done = subprocess.run([sys.executable, "-c", unset], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["1.0", "[]"], done.stdout  # vLLM's own: it spun (sched_yield)
+
+
+def test_a_service_started_beside_it_accepts_the_variable():
+    """The rollout server sets it in its own environment (vLLM's processes inherit it), and so does a test
+    session's engine: a service started from there must not refuse it as an unknown setting."""
+    from deploy.settings_reference import settings_classes
+    from rollout_server.vllm_plugin import SPIN_VARIABLE
+    from services.settings import check_environment
+
+    check_environment(settings_classes().values(), {SPIN_VARIABLE: "0.05"})
