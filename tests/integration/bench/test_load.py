@@ -75,6 +75,7 @@ async def test_services_under_load_refuse_with_retry_after_stay_healthy_and_leak
     assert load.verdict(report) == []
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow  # over 5 s in make test-fast: make test runs it
 async def test_control_plane_bounds_its_redis_connections_and_answers_503_without_redis(tmp_path, tiny_model):
     """100 dashboard polls at once share at most REDIS_CONNECTIONS connections and all succeed; with

@@ -59,6 +59,7 @@ async def _stored(redis, set_id: str) -> list[dict]:
     return await PromptSetStore(redis).lines(set_id)
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow  # over 9 s: make test, not make test-fast
 async def test_parquet_messages_csv_prompts_and_jsonl_template_fields_import_as_prompt_sets(
     serve_control, control_redis, files, tmp_path
@@ -111,6 +112,7 @@ async def test_save_to_disk_folders_import_a_chosen_split(serve_control, control
         assert len(await _stored(control_redis, out.strip().splitlines()[-1])) == 3
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow  # over 9 s: make test, not make test-fast
 async def test_bad_input_names_the_row_or_field_and_stores_nothing(serve_control, control_redis, files, snapshot):
     async with serve_control() as url:
@@ -140,6 +142,7 @@ async def test_bad_input_names_the_row_or_field_and_stores_nothing(serve_control
         assert await snapshot(control_redis) == before
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow  # over 9 s: make test, not make test-fast
 async def test_list_show_submit_runs_stop_and_delete_from_the_command_line(serve_control, control_redis, files):
     async with serve_control() as url:

@@ -230,6 +230,7 @@ async def feed(redis, keys, version: int, n: int, seed: int) -> None:
         await add_group(redis, keys, version, seed=seed + i)
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 async def test_a_version_that_does_not_fit_fails_the_run_and_keeps_the_previous(
     control_db_url, control_redis, tiny_model, tmp_path, small_disk, learner_proc
 ):
@@ -275,6 +276,7 @@ async def test_a_version_that_does_not_fit_fails_the_run_and_keeps_the_previous(
     store.verify(v1.uri, v1.sha256)
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 async def test_a_checkpoint_that_does_not_fit_leaves_the_previous_in_force(
     redis, keys, tiny_model, tmp_path, small_disk, learner_proc
 ):

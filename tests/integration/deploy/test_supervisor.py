@@ -59,6 +59,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow  # over 9 s: make test, not make test-fast
 def test_a_killed_service_is_restarted_with_back_off_until_max_restarts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}

@@ -118,6 +118,7 @@ async def test_on_policy_training_publishes_and_survives_bad_input(redis, keys, 
     assert httpx.get(f"{proc.url}/healthz").status_code == 200
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 async def test_resume_after_kill9(redis, keys, tiny_model, tmp_path, learner_proc):
     from broker import Stream, WeightRegistry
 
@@ -217,6 +218,7 @@ async def _wait_run(store, run_id: str, predicate, timeout_s: float, what: str):
         await asyncio.sleep(0.3)
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 async def test_stack_mode_trains_the_active_run_and_lets_a_stopped_one_go(
     control_db_url, control_redis, tiny_model, tmp_path, learner_proc
 ):

@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_the_engine_starts_and_steps_without_compiling(tmp_path, tiny_model, ranks):
     calls = tmp_path / "compiler-calls"

@@ -26,6 +26,7 @@ from tests.fixtures.learner import add_group, write_run_config
 VOLUME = "tandem-test-volume"
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.usefixtures("engine_left_serving")
 async def test_rollout_reloads_the_volume_before_reading_a_version(rollout_server, rollout_engine, weight_versions):
     good = weight_versions.make(seed=104)
@@ -69,6 +70,7 @@ async def test_learner_commits_the_volume_before_registering_a_version(
 SPY = Path(__file__).resolve().parents[2] / "fixtures" / "modal_spy"
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow
 async def test_a_retried_learner_in_a_fresh_container_resumes_from_its_last_checkpoint(
         redis, keys, tiny_model, tmp_path, learner_proc, monkeypatch):

@@ -162,6 +162,7 @@ def test_control_plane_fuzz(control_url, examples):
     check_outside_schema(control_url, OUTSIDE_SCHEMA["control"])
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 def test_reward_server_fuzz(reward_servers, examples):
     server = reward_servers["bwrap"]
     schema = schema_of(server.url, REWARD_TOKEN)

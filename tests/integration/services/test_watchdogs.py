@@ -291,6 +291,7 @@ async def test_a_rank_stuck_in_a_checkpoint_write_fails_the_collective_and_exits
             os.close(os.open(tag_dir / "rng-rank1.pt", os.O_RDONLY | os.O_NONBLOCK))
 
 
+@pytest.mark.long  # over 12 s in make test (docs/testing.md): make test-long runs it
 @pytest.mark.slow
 async def test_a_starved_run_fails_with_the_reason_in_its_status(
     control, control_db_url, tiny_model, tmp_path, learner_proc
