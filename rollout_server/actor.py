@@ -268,6 +268,7 @@ class Actor:
                 try:
                     with self.timeline.span("broadcast", "weights", version=a.version):
                         await self.engine.load_weights(wire.LoadWeights(version=a.version, uri=seat.uri),
+                                                       in_flight=self.config.publish.reload,
                                                        record=self._recorder("received", a.version))
                 except WeightLoadError as e:
                     log.error("broadcast of version %d not received (%s); its files will follow", a.version,
@@ -316,6 +317,7 @@ class Actor:
         try:
             with self.timeline.span("reload", "weights", version=wv.version):
                 await self.engine.load_weights(wire.LoadWeights(version=wv.version, uri=wv.uri, sha256=wv.sha256),
+                                               in_flight=self.config.publish.reload,
                                                record=self._recorder("loaded", wv.version, sha256=wv.sha256))
         except WeightLoadError as e:
             self._failed_load = (wv.version, time.monotonic())
@@ -545,8 +547,13 @@ class Actor:
         for smp in samples:
             statuses[smp.status] = statuses.get(smp.status, 0) + 1
         # an episode group's ledger entry records its episodes (tandem audit counts them)
-        episodes = {"turns": sum(smp.turns for smp in samples), "tool_calls": sum(smp.tool_calls for smp in samples),
+        details = {"turns": sum(smp.turns for smp in samples), "tool_calls": sum(smp.tool_calls for smp in samples),
                     "tool_errors": sum(smp.tool_errors for smp in samples)} if isinstance(gen, EpisodeGeneration) else {}
+        # a group whose samples span versions (publish.reload = "keep") records them all: tandem audit checks
+        # that it was tagged with, and bounded by, the oldest
+        spanned = sorted({v for smp in samples for v in smp.versions()})
+        if len(spanned) > 1:
+            details["versions"] = spanned
         with self.timeline.span("handoff", "groups", group=pg.group_id, version=traj.policy_version):
             handed = await self.prompts.handoff(
                 delivery,
@@ -554,7 +561,7 @@ class Actor:
                 Envelope(pg.group_id, traj.policy_version, wire.encode(traj)),
                 ticket.token,
                 server=self.server_id, version=traj.policy_version, statuses=statuses,
-                reward_mean=sum(smp.reward for smp in samples) / len(samples), **episodes,
+                reward_mean=sum(smp.reward for smp in samples) / len(samples), **details,
             )
         if handed is None:
             log.warning("group %s was handed off or ended elsewhere meanwhile; this copy is discarded", pg.group_id)

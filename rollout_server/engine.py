@@ -24,11 +24,12 @@ are tagged with the old version; requests arriving meanwhile start on the new on
 **Version tags are the engine's own record.** vLLM labels every output token
 with the weight version that sampled it (``CompletionOutput.weight_versions``,
 spans over token indexes). A sample's ``policy_version`` is read from those
-labels, not guessed from timing. Under the wait-mode reload above a sample
-has one span; should one ever show two (a group's ``n`` children are added
-one by one, so a reload can fall between two *samples*, never inside one), the
-sample is tagged with the oldest and ``tandem_rollout_mixed_version_samples``
-counts it.
+labels, not guessed from timing. Under a wait-mode reload a sample has one
+span (a group's ``n`` children are added one by one, so a reload can fall
+between two *samples*, never inside one); under a keep-mode reload
+(``publish.reload = "keep"``) a sample may have several: it is tagged with the
+oldest, its ``token_versions`` hold (first token, version) of each span, and
+``tandem_rollout_mixed_version_samples`` counts it.
 
 **Watchdogs** (the run config's ``[watchdog]``, set with :meth:`RolloutEngine.watch`;
 ``services.watchdog``). A generate call longer than ``generate_s`` is
@@ -448,9 +449,10 @@ class RolloutEngine(PromptRendering, WeightReloads):
             if not math.isfinite(lp):
                 raise RuntimeError(f"{request_id}: non-finite logprob {lp} for sampled token {tok}")
             logprobs.append(min(lp, 0.0))
-        versions = sorted({int(s.version) for s in (c.weight_versions or []) if s.end > s.start})
+        spans = sorted((s.start, int(s.version)) for s in (c.weight_versions or []) if s.end > s.start)
+        versions = sorted({v for _, v in spans})
         if serving is not None:  # the adapter it was sent with is the policy that sampled it
-            versions = [serving.version]
+            versions, spans = [serving.version], []
         if not versions:
             if token_ids:
                 raise RuntimeError(f"{request_id}: vLLM reported no weight version for the sampled tokens")
@@ -464,4 +466,5 @@ class RolloutEngine(PromptRendering, WeightReloads):
             text=c.text,
             finish_reason=finish,
             policy_version=versions[0],
+            token_versions=spans if len(versions) > 1 else [],
         )

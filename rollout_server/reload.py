@@ -33,7 +33,17 @@ resumes. The prefix cache is cleared during the pause (vLLM's
 ``clear_cache``), so no KV computed by old weights is reused. The weights are
 then reloaded in place (``collective_rpc("reload_weights")``) and the new
 version is registered as vLLM's weight-version label. A drain therefore
-costs at most the time to finish the longest request in flight. An engine
+costs at most the time to finish the longest request in flight.
+
+With the run's ``publish.reload = "keep"`` (in-flight updates, as PipelineRL's and AReaL's) the
+pause is vLLM's ``"keep"`` mode instead: requests in flight are frozen where they are, and resume
+*on the new weights*, so a sample may span versions; vLLM labels each token with the version that
+sampled it (``Sample.token_versions``) and the sample is tagged with its oldest. The KV cache of
+the frozen requests is dropped (``clear_cache``: vLLM preempts them) and recomputed by the new
+weights when they resume, as NeMo-RL's ``recompute_kv_cache_after_weight_updates`` does, not kept
+as PipelineRL keeps it: so each token's behaviour log-probability is that of one policy, the
+version its label names, given the whole prefix, which is what the learner's per-token
+importance ratio assumes (docs/architecture.md section 3). A reload then waits for no request. An engine
 that serves LoRA adapters (``rollout_server.adapters``) swaps the adapter in
 the same pause instead, and holds back requests that arrive meanwhile until
 the new one is in place. A reload
@@ -60,7 +70,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rollout_server.adapters import AdapterTransport
 from rollout_server.errors import EngineDead
@@ -75,6 +85,9 @@ from rollout_server.transports import (
 from services import watchdog
 from services.weightstore import checkpoint_signature, reload_volume
 from services.wire import LoadWeights, WeightsStatus
+
+InFlight = Literal["wait", "keep"]
+"""What a reload does with the requests in the engine (``publish.reload``)."""
 
 log = logging.getLogger("tandem.rollout")
 
@@ -111,8 +124,8 @@ class WeightReloads:
                 return t
         raise WeightLoadError(422, f"no weight transport for {uri!r}")
 
-    async def load_weights(self, request: LoadWeights, *,
-                           record: Callable[[], Awaitable[None]] | None = None) -> WeightsStatus:
+    async def load_weights(self, request: LoadWeights, *, record: Callable[[], Awaitable[None]] | None = None,
+                           in_flight: InFlight = "wait") -> WeightsStatus:
         """Load ``request.version`` in place; a no-op when it is not newer than the loaded one.
 
         Raises :class:`WeightLoadError` (engine untouched, old weights serving)
@@ -123,12 +136,16 @@ class WeightReloads:
         awaited right after the swap, only when this call swapped the version in, in the same task and under
         the same reload lock: a cancellation cannot leave the engine serving a version that its record says
         it never got (the last version of a run used to, its actor cancelled between the two).
+
+        ``in_flight``: what becomes of the requests in the engine (the run's ``publish.reload``; module
+        docstring): ``"wait"`` finishes them on the old weights first, ``"keep"`` goes on with them on the new.
         """
         if request.version <= self.version:
             return self.status()
-        return await _to_the_end(self._load(request, record), f"reload of version {request.version}")
+        return await _to_the_end(self._load(request, record, in_flight), f"reload of version {request.version}")
 
-    async def _load(self, request: LoadWeights, record: Callable[[], Awaitable[None]] | None = None) -> WeightsStatus:
+    async def _load(self, request: LoadWeights, record: Callable[[], Awaitable[None]] | None = None,
+                    in_flight: InFlight = "wait") -> WeightsStatus:
         async with self._reload_lock:
             if request.version <= self.version:  # another caller loaded it meanwhile
                 return self.status()
@@ -143,7 +160,7 @@ class WeightReloads:
             except WeightLoadError:
                 self.metrics.reloads.labels("refused").inc()
                 raise
-            await self._apply(transport, prepared)
+            await self._apply(transport, prepared, in_flight)
             self.reload_s = time.monotonic() - t0
             self.metrics.reload_s.observe(self.reload_s)
             self.metrics.reloads.labels("ok").inc()
@@ -215,14 +232,18 @@ class WeightReloads:
             self._fail(reason)
             raise EngineDead(reason) from None
 
-    async def _apply(self, transport: WeightTransport, prepared: Prepared) -> None:
+    async def _apply(self, transport: WeightTransport, prepared: Prepared, in_flight: InFlight = "wait") -> None:
         request = prepared.request
         what = f"reload of version {request.version}"
-        # "wait": in-flight requests finish on the old weights; new ones queue (module docstring)
+        # "wait": in-flight requests finish on the old weights; new ones queue. "keep": they are frozen, their
+        # KV cache is dropped and recomputed by the new weights when they resume (module docstring). An adapter
+        # engine waits: a request is bound to the adapter it was sent with.
+        keep = in_flight == "keep" and not isinstance(transport, AdapterTransport)
         self._swapped.clear()
         try:
-            await self._within(self.llm.pause_generation(mode="wait", clear_cache=True), what=what,
-                               on="requests in flight to finish (vLLM pause, wait mode)", drain=True)
+            await self._within(self.llm.pause_generation(mode="keep" if keep else "wait", clear_cache=True), what=what,
+                               on="vLLM to freeze the requests in flight (pause, keep mode)" if keep
+                               else "requests in flight to finish (vLLM pause, wait mode)", drain=not keep)
         except BaseException:
             self._swapped.set()
             raise

@@ -279,14 +279,20 @@ class GenerateRequest(Wire):
 
 
 class Sample(Wire):
-    """One completion. ``logprobs[i]`` is the behaviour log-probability of ``token_ids[i]``
-    under the policy ``policy_version`` with the request's sampling parameters."""
+    """One completion. ``logprobs[i]`` is the behaviour log-probability of ``token_ids[i]`` with the
+    request's sampling parameters, under the policy that sampled it: ``policy_version``, or with
+    ``token_versions`` (an in-flight reload fell inside the sample: ``publish.reload = "keep"``) the
+    version of the span holding token ``i``; ``policy_version`` is then the oldest."""
 
     token_ids: TokenIds
     logprobs: LogProbs
     text: str
     finish_reason: FinishReason
     policy_version: int = Field(ge=0)
+    token_versions: list[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]] = Field(
+        default_factory=list, max_length=64,
+        description="(first token index, version) of each weight version that sampled part of the completion, "
+                    "in token order; empty when one version sampled it all (policy_version).")
 
     @model_validator(mode="after")
     def _aligned(self) -> Sample:
@@ -294,7 +300,18 @@ class Sample(Wire):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries for {len(self.token_ids)} token_ids"
             )
+        starts = [i for i, _ in self.token_versions]
+        if self.token_versions and (starts[0] != 0 or starts != sorted(set(starts)) or starts[-1] >= len(self.token_ids)):
+            raise ValueError(f"token_versions {self.token_versions[:8]}: spans must start at 0, rise, and "
+                             f"begin inside the {len(self.token_ids)} tokens")
+        if self.token_versions and min(v for _, v in self.token_versions) != self.policy_version:
+            raise ValueError(f"policy_version {self.policy_version} is not the oldest token's "
+                             f"({min(v for _, v in self.token_versions)})")
         return self
+
+    def versions(self) -> list[int]:
+        """Every version that sampled a token of it, oldest first."""
+        return sorted({self.policy_version, *(v for _, v in self.token_versions)})
 
 
 class GenerateResponse(Wire):
@@ -432,6 +449,10 @@ class ScoredSample(Sample):
         if self.tool_errors > self.tool_calls:
             raise ValueError(f"tool_errors {self.tool_errors} > tool_calls {self.tool_calls}")
         return self
+
+    def versions(self) -> list[int]:
+        """Every version that sampled a token of it (an episode's turns too), oldest first."""
+        return sorted({*super().versions(), *self.turn_versions})
 
 
 class TrajectoryGroup(Wire):

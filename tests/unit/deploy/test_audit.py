@@ -88,11 +88,22 @@ def test_trained_episode_groups_are_counted_from_their_generated_entries():
                   for x in log], "finished 2 steps, but these trained no group: 2"),
     (lambda log: [x if x["e"] != "closed" else e("closed", reason="run_finished", ended=1, steps=5) for x in log],
      "these trained no group: 3-5"),
+    # publish.reload = "keep": g5's samples spanned versions 0 and 1 but it was tagged with the newer one (as
+    # version 1 it passes the lag check; as its oldest token's 0, lag 3 - 0 - 1 retracted = 2 > eta)
+    (lambda log: [x if x["e"] != "generated" or x["g"] != "g5" else e("generated", "g5", server="r1", version=1,
+                                                                      versions=[0, 1], statuses={"ok": 4})
+                  for x in log], "g5 tagged version 1 but its tokens were sampled by versions [0, 1]"),
 ])
 def test_each_violation_is_caught(change, expect):
     a = audit(change(clean_run()))
     assert not a.ok
     assert any(expect in v for v in a.violations), a.violations
+
+
+def test_a_group_spanning_versions_tagged_with_its_oldest_passes():
+    log = [x if x["e"] != "generated" or x["g"] != "g5" else e("generated", "g5", server="r1", version=1,
+                                                               versions=[1, 3], statuses={"ok": 4}) for x in clean_run()]
+    assert audit(log).ok
 
 
 def test_a_live_run_reports_open_groups_without_failing():

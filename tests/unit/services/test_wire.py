@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgpack
 import pytest
@@ -150,3 +151,16 @@ def test_numeric_spec_refuses_non_finite_numbers(field, value):
     body = {"answer": "1.0", field: value}
     with pytest.raises(ValueError, match=field):
         NumericSpec.model_validate_json("{" + ", ".join(f'"{k}": {v}' for k, v in body.items()) + "}")
+
+
+def test_a_sample_spanning_versions_names_each_span_and_is_as_old_as_its_oldest_token():
+    from services.wire import Sample
+
+    base = {"token_ids": [1, 2, 3, 4], "logprobs": [-1.0] * 4, "text": "x", "finish_reason": "length"}
+    s = Sample(**base, policy_version=3, token_versions=[(0, 3), (2, 4)])
+    assert s.versions() == [3, 4] and Sample(**base, policy_version=3).versions() == [3]
+    assert wire.decode(Sample, wire.encode(s)) == s
+    for bad, why in [([(1, 3)], "spans must start at 0"), ([(0, 3), (4, 4)], "begin inside the 4 tokens"),
+                     ([(0, 3), (2, 4), (2, 5)], "rise"), ([(0, 4), (2, 3)], "not the oldest token's (3)")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            Sample(**base, policy_version=4 if bad[0][1] == 4 else 3, token_versions=bad)
