@@ -35,8 +35,8 @@ async def test_an_actor_cancelled_at_the_swap_still_records_the_version_it_serve
         callers.setdefault(request.version, asyncio.current_task())
         return await load(request, **kw)
 
-    async def swap_then_cancel(transport_, prepared) -> None:  # the run ends the moment v is in
-        await swap(transport_, prepared)
+    async def swap_then_cancel(transport_, prepared, *mode) -> None:  # the run ends the moment v is in
+        await swap(transport_, prepared, *mode)
         if prepared.request.version == v:
             callers[v].cancel()  # the task waiting on the swap (a TaskGroup's abort reaches it a few turns later)
             task.cancel()
