@@ -50,7 +50,7 @@ endef
 XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 # Both write a JUnit report: `.venv/bin/python bench/test_times.py` prints the time per test file.
 REPORT := --junitxml=$(VENV)/test-report.xml
-FAST_MARKERS := not slow and not vllm and not deepspeed and not browser and not stack
+FAST_MARKERS := not slow and not long and not vllm and not deepspeed and not browser and not stack
 # make test leaves out the tests marked long (each over 15 s alone: whole trainings of the examples, the short chaos
 # runs, the other architectures' engines); make test-long runs them. make test keeps their short version:
 # tests/integration/deploy/test_main_job.py trains the example for 9 steps through every service and kills the
@@ -59,6 +59,11 @@ TEST_MARKERS := not long and not chaos and not compose
 LONG_MARKERS := long and not chaos and not compose
 
 .PHONY: run extras test test-fast test-long chaos bench bench-e2e lint clean image compose-test mutation
+
+# The suites write bytecode even where PYTHONDONTWRITEBYTECODE is set (an empty value is unset for Python):
+# without it each pytest process, and each xdist worker, rewrote the asserts of all 450 test modules again
+# (collection 23 s against 13 s; docs/testing.md). The files go to __pycache__/, which git ignores.
+test test-fast test-long chaos mutation compose-test: export PYTHONDONTWRITEBYTECODE :=
 
 run: $(STAMPS)/install
 	$(VENV)/bin/tandem run examples/arith/run.toml

@@ -27,6 +27,10 @@ TOKEN = "learner-auth-token-" + "x" * 16
 READ_TOKEN = "learner-read-token-" + "y" * 16
 REPO = Path(__file__).resolve().parents[3]
 
+# the learner service imports torch and DeepSpeed as it starts (about 8 s of CPU, 26 s for the file in make
+# test-fast on two workers): make test runs it (docs/testing.md)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):

@@ -52,6 +52,7 @@ def model(tiny_model):
     return AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
 
 
+@pytest.mark.slow  # over 5 s in make test-fast (docs/testing.md): make test runs it
 def test_observation_tokens_get_no_gradient_and_no_count(model):
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size

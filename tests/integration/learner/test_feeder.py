@@ -142,6 +142,7 @@ async def test_start_takes_over_what_a_dead_learner_left_pending(redis, keys):
     assert list(fresh.buffer) == gids
 
 
+@pytest.mark.slow  # over 5 s in make test-fast (docs/testing.md): make test runs it
 async def test_held_groups_free_their_tickets_stay_out_of_the_buffer_and_are_kept_from_redelivery(redis, keys):
     """What bench/mutation.py found untested: hold(), the keep-alive of held entries, the ``handed``
     ledger entries and the idle time."""

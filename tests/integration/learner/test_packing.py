@@ -98,6 +98,7 @@ def test_packed_row_keeps_a_sliding_window(tiny_model):
                                layer_types=["full_attention", "sliding_attention"])
 
 
+@pytest.mark.slow  # over 5 s in make test-fast (docs/testing.md): make test runs it
 def test_the_start_up_check_accepts_the_packed_attention_and_refuses_cross_talk(tiny_model):
     model = load(tiny_model, True).eval()
     assert model.config._attn_implementation == ATTENTION

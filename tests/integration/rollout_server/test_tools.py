@@ -63,6 +63,7 @@ async def test_a_python_session_keeps_its_state_and_no_other_episode_sees_it(box
     assert a.python.cells != b.python.cells
 
 
+@pytest.mark.slow  # over 5 s in make test-fast (docs/testing.md): make test runs it
 async def test_a_failing_cell_is_an_error_and_the_session_goes_on(box):
     s = box.session()
     assert await s.answer(Call("python", "y = 2"), ALL, 30) == "<result></result>"

@@ -23,8 +23,6 @@ import pytest
 
 from tests.fixtures.rollout import TOKEN
 
-pytest.importorskip("verifiers.v1", reason="the verifiers extra is not installed (pip install -e '.[verifiers]')")
-
 pytestmark = [pytest.mark.usefixtures("engine_left_serving"), pytest.mark.slow]
 
 TOKEN_VAR = "TANDEM_TEST_VERIFIERS_TOKEN"
@@ -107,6 +105,8 @@ OBSERVATION = "\n<|tool|>calculator: {a}+{b}={s}\n<|assistant|>"
 
 @pytest.fixture(scope="module")
 def sums_env(tmp_path_factory):
+    # imported here, not at the module's top: verifiers takes seconds to import, and test-fast collects this file
+    pytest.importorskip("verifiers.v1", reason="the verifiers extra is not installed (pip install -e '.[verifiers]')")
     folder = tmp_path_factory.mktemp("verifiers-env")
     (folder / "tandem_sums_env.py").write_text(ENV_MODULE)
     (folder / "tandem_sums_program.py").write_text(PROGRAM)

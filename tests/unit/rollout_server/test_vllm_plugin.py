@@ -6,6 +6,8 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+import pytest
+
 # one process (vLLM's import is the cost): a reader that read 0.2 s ago, first without the variable, then with it
 CHECK = """
 import os, time
@@ -31,6 +33,7 @@ print("set", *reader())
 """
 
 
+@pytest.mark.slow  # over 5 s in make test-fast (docs/testing.md): make test runs it
 def test_the_plugin_is_installed_and_when_set_a_reader_past_the_cap_blocks_instead_of_spinning():
     assert "rollout_server.vllm_plugin:register" in {e.value for e in entry_points(group="vllm.general_plugins")}
     done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
