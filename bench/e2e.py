@@ -212,7 +212,9 @@ def trl_job(spec: dict) -> dict:
 
     clock = Clock()
     args = GRPOConfig(
-        output_dir=spec["scratch"], use_cpu=True, seed=0, report_to="none", save_strategy="no",
+        # fp32 as tandem trains: GRPOConfig's own default is bf16 (accelerate's autocast; on this AVX2 CPU its
+        # steps took 4.7 s against 0.47 s)
+        output_dir=spec["scratch"], use_cpu=True, bf16=False, fp16=False, seed=0, report_to="none", save_strategy="no",
         logging_steps=10, max_steps=spec["steps"], learning_rate=1e-4, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0,
         per_device_train_batch_size=group, gradient_accumulation_steps=1, num_generations=8,
@@ -237,7 +239,7 @@ def trl_job(spec: dict) -> dict:
         "steps_wall_s": clock.steps_s, "steps_cpu_s": clock.steps_cpu, "eval_wall_s": clock.eval_s,
         "step_s_median": statistics.median(b - a for a, b in zip([0.0] + clock.step_ends, clock.step_ends,
                                                                    strict=False)),
-        "evals": clock.evals, "trl_args": semantics, "threads": torch.get_num_threads(),
+        "evals": clock.evals, "trl_args": {**semantics, "bf16": a.bf16, "fp16": a.fp16}, "threads": torch.get_num_threads(),
         "lengths": length_stats([n for batch in lengths for n in batch]),
         "step_lengths": [statistics.fmean(batch) for batch in lengths],
     }
