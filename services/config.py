@@ -280,9 +280,10 @@ class PublishConfig(Section):
     swapping them in as it would a file and checking the learner's digest first (``services.weightgroup``);
     the files are still written, for resume, export and servers that could not join. Needs a network path
     from every rollout server to the learner (not across Modal apps: keep ``"files"`` there)."""
-    reload: Literal["wait", "keep"] = "wait"
+    reload: Literal["wait", "keep"] = "keep"
     """What a rollout server does with the requests in its engine when it loads a new version. ``"wait"``:
-    they finish on the old weights first (the reload waits for the longest). ``"keep"``: in-flight updates
+    they finish on the old weights first (the reload waits for the longest). ``"keep"`` (the default: faster
+    in ``bench/e2e.py`` at every size measured, the same accuracy; docs/performance.md): in-flight updates
     (PipelineRL, AReaL): vLLM freezes them, the new weights go in, and they go on with the new weights, their
     KV cache recomputed; a sample may then span versions (``Sample.token_versions``), each token keeping the
     log-probability of the version that sampled it, and the sample counts as its oldest token's version for
