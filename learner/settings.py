@@ -34,7 +34,9 @@ class LearnerSettings(WorkerSettings):
     """The address of this learner that rollout servers reach to join a weight broadcast
     (TANDEM_LEARNER_BROADCAST_HOST; the run config's ``publish.transport = "broadcast"``): rank 0 hosts
     each version's group store on a free port of it. The tensors themselves travel on the interface
-    gloo picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides)."""
+    gloo picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides). Empty: no
+    address the rollout servers can reach (a Modal deploy without ``[modal].i6pn``): the versions of a
+    broadcast run are written as files at once, with no ``publish.broadcast_timeout_s`` wait."""
 
     @property
     def holder_id(self) -> str:

@@ -315,7 +315,8 @@ def test_image_pins_match_pyproject():
 
 # --- every entrypoint runs only what `tandem serve` runs -------------------------------------
 
-ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_settings", "_spawn_learner"]
+ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_learner_env", "_settings",
+               "_spawn_learner", "_scale_rollout"]
 SERVICE_MODULES = {"control_plane", "reward_server", "rollout_server", "learner"}
 """The packages whose ``build_app`` / ``serve`` ``tandem serve`` calls (deploy.cli.SERVICE_PACKAGES)."""
 GLUE = {
@@ -324,13 +325,16 @@ GLUE = {
     # where the other containers are: this container's rank, rank 0's address, the reward URL
     "modal.Cluster.from_context", "cluster.container_rank", "cluster.container_ips",
     "reward.get_web_url", "os.environ.get", "os.environ.setdefault",
-    # a learner call per run: its rendezvous port and its lease holder's id (the call's)
-    "free_port", "modal.current_function_call_id", "os.getpid",
+    # a learner call per run: its rendezvous port, the volume reloaded before it resumes, its lease holder's
+    # id (the call's, and the attempt's), its address on i6pn for a weight broadcast
+    "free_port", "reload_volume", "modal.current_function_call_id", "secrets.token_hex", "socket.getaddrinfo",
+    # the autoscaler's apply: the rollout class's autoscaler (Function.autoscaler.update(...).aio)
+    "Rollout._get_class_service_function", "aio",
     # the control plane's start_learner: Modal's spawn, its error as the control plane's, a log line
     "learner.spawn.aio", "LearnerStartError", "log.info",
 }
 """Calls named in full (``uvicorn.run`` is not ``launch.run``)."""
-HELPERS = {"_settings", "_rollout_env", "cls", "gpu_count"}
+HELPERS = {"_settings", "_rollout_env", "_learner_env", "cls", "gpu_count"}
 """This module's own helpers (themselves entrypoints above) and ``_settings``'s class argument."""
 
 
