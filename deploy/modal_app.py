@@ -25,13 +25,22 @@ it before reading a version (``TANDEM_RUN_DIR_VOLUME``, ``services.weightstore``
 One learner per run: the control plane spawns ``learner(run_id)`` when it accepts a run
 (``start_learner``). The call trains that run and returns when the run ends; Modal retries it
 after a failure or its 24 h timeout (``[modal.learner].retries``), and the retry resumes from
-the last checkpoint. The run's Redis lease (``broker.lease``, held by the learner under the
-call's id, the same in every attempt) keeps a second call from training it too: that one
-returns at once, naming the holder. ``max_containers`` is one cluster.
+the last checkpoint, after reloading the volume. The run's Redis lease (``broker.lease``, held
+by the learner under the call's id and a part new in each attempt) keeps a second call, or an
+attempt Modal gave up on, from training it too. Cancelling the call ends torchrun.
+``max_containers`` is one cluster.
 
-Signals: Modal sends SIGTERM to the container's main process; this module passes it on to the
-service processes (``launch.forward_signals``, installed when a container imports it), so the
-learner checkpoints and a rollout server releases its leases before the container goes.
+Signals: Modal sends SIGTERM to the container's main process; in the containers that run a
+service process (rollout, learner) this module passes it on (``launch.forward_signals``, installed
+when the container imports it), so the learner checkpoints and a rollout server releases its leases
+before the container goes; the others serve in their own process, which SIGTERM ends.
+
+Images: each role's image ships tandem's packages, filtered, and in the control, reward and
+rollout images ``[modal].modules`` and ``[modal].packages`` (the user's reward functions, tools
+and tracker libraries); the app mounts nothing else (``include_source=False``). The control
+plane refuses runs of another model than the rollout fleet's (``TANDEM_CONTROL_FLEET_MODEL``).
+The weight broadcast goes over i6pn with ``[modal].i6pn``; without it the learner has no
+broadcast host and a broadcast run publishes files.
 
 Redis is not run inside the app: a container is reachable by others only over i6pn within one
 region and must be discovered through a ``modal.Dict``, and it is restarted at the 24 h timeout
