@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 from broker import Keys, connect
 from rollout_server.actor import Actor, cancel_and_wait, reward_client
