@@ -49,7 +49,7 @@ from control_plane.settings import ControlSettings
 from control_plane.stalls import StallMonitor
 from control_plane.trackers import TrackerHub
 from services.app import ServiceError, create_app
-from services.config import ConfigError, RunConfig, parse_run_config
+from services.config import ConfigError, RunConfig, parse_run_config, serves_model
 from services.evaluate import EvalLog, eval_prompts
 from services.prompt_forms import chat_template_in
 from services.prompt_lines import LineError
@@ -158,6 +158,10 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
                                          state.settings.run_dir_volume)
     except ModelNotVisible as e:
         raise ServiceError(422, str(e)) from None
+    fleet = state.settings.fleet_model
+    if fleet is not None and not serves_model(config, fleet):
+        raise ServiceError(422, f"model.path: {config.model.path} is not the model this deployment's rollout servers "
+                                f"serve, {fleet}; train that one, or deploy a fleet for this model")
     if await state.prompt_sets.info(body.prompt_set_id) is None:
         raise ServiceError(404, f"no prompt set {body.prompt_set_id}")
     chat = await asyncio.to_thread(chat_template_in, config.model.path)

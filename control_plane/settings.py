@@ -7,6 +7,8 @@ own package; ``services.settings`` holds only what several processes share.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, SecretStr
 
 from services.settings import PREFIX, CommonSettings, settings_config
@@ -31,6 +33,11 @@ class ControlSettings(CommonSettings):
     called, so that an upload or a run naming one it refuses gets 422 before anything is stored or trained
     (TANDEM_CONTROL_REWARD_URL; `tandem up` and docker-compose set it). Unset: not checked here, and the
     reward server refuses such a function only when completions are scored."""
+    fleet_model: Path | None = None
+    """The model folder every rollout server of this deployment serves (TANDEM_CONTROL_FLEET_MODEL; the
+    Modal app sets it to its run config's model): a run whose ``model.path``, as the deployment sees it,
+    is another gets 422 naming this one (a rollout server serves only runs of the model it loaded, so
+    such a run would never train). Unset: any model is accepted."""
     reward_token: SecretStr | None = None
     """Bearer token for that reward server (TANDEM_CONTROL_REWARD_TOKEN). Unset: TANDEM_TOKEN."""
     redis_retries: int = Field(default=30, ge=0)

@@ -5,7 +5,7 @@ own autoscaler to count: the fleet is whatever ``min_containers`` keeps running.
 function ``autoscale`` of ``deploy.modal_app`` calls :func:`tick` every
 ``[modal.autoscale].interval_s``: it reads the active run's backlog (:func:`read_backlog`),
 decides (:func:`decide`, a pure function) and sets the rollout class's ``min_containers``
-through ``Cls.update_autoscaler`` (the ``apply`` it is given). Its state between ticks lives in
+through its autoscaler (the ``apply`` it is given: ``deploy.modal_app._scale_rollout``). Its state between ticks lives in
 Redis (``broker.keys.AUTOSCALER``).
 
 The policy, per look at the run:

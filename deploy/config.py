@@ -63,6 +63,7 @@ EXTRA_PACKAGES = {
                 "tokenizers>=0.21"],
     "reward": ["math-verify[antlr4_13_2]==0.9.0", "pebble==5.2.3", "regex>=2024.11.6"],
     "modal": ["modal==1.6.4"],
+    "trackers": ["tensorboard>=2.21", "wandb>=0.31", "mlflow>=3.17"],
 }
 TORCH = "torch==2.13.0"
 """The torch the cpu extra pins (vllm 0.32 is built against it); the learner image needs it explicitly."""
@@ -76,7 +77,21 @@ IMAGE_PACKAGES = {
 }
 """pip packages of each role's image: the reward server needs modal for its sandbox backend, the
 rollout servers and the learner for reloading and committing the weights volume, the autoscaler
-for setting the rollout class's containers."""
+for setting the rollout class's containers. ``[modal].packages``, and the tracker libraries the run
+config names, come on top (:func:`image_packages`)."""
+
+USER_ROLES = ("control", "reward", "rollout")
+"""The roles whose images get ``[modal].modules`` and ``[modal].packages``: the control plane (tracker
+libraries), the reward server (python reward functions), the rollout servers (user tools)."""
+
+SERVICE_ROLES = ("rollout", "learner")
+"""The roles whose containers run a service process of their own (``deploy.launch``): only they pass
+Modal's SIGTERM on; the others serve in the container's own process, which SIGTERM ends."""
+
+
+def tracker_packages(trackers) -> list[str]:
+    """The pins (pyproject's ``trackers`` extra) of the tracker libraries ``trackers`` names."""
+    return [pin for pin in EXTRA_PACKAGES["trackers"] if re.split(r"[<>=\[ ]", pin, maxsplit=1)[0] in trackers]
 
 
 class RoleDeploy(BaseModel):
@@ -133,6 +148,8 @@ puts after ``<workspace>--`` in the endpoint's host name (modal/_utils/name_util
 APP_NAME_MAX = 40
 """Longest app name: the longest label, ``<app>-control``, then leaves 13 of a DNS label's 63
 characters for ``<workspace>--``."""
+MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$", re.ASCII)
+"""A Python import name (``[modal].modules``)."""
 ENDPOINTS = ("control", "reward", "rollout")
 """The roles served as web endpoints, each under the label ``<app>-<role>``."""
 
@@ -201,6 +218,19 @@ class ModalDeploy(BaseModel):
     the control plane when it accepts the run and retried by Modal after a failure or a timeout."""
     autoscale: Autoscale = Autoscale()
     """The rollout autoscaler."""
+    modules: list[str] = Field(default_factory=list)
+    """Your own Python modules or packages, by import name (``["my_rewards", "my_tools"]``), shipped to the
+    control, reward and rollout images: the modules ``TANDEM_REWARD_FUNCTIONS`` and ``TANDEM_ROLLOUT_TOOLS``
+    name. Each must be importable where ``tandem deploy modal`` runs (it is shipped from there)."""
+    packages: list[str] = Field(default_factory=list)
+    """Extra pip requirements (``["sympy==1.14", "wandb>=0.31"]``) installed in the control, reward and
+    rollout images: what your modules import, and tracker libraries for runs whose ``[logging] trackers``
+    the deployed run config does not name (those it names are installed in the control image anyway)."""
+    i6pn: bool = False
+    """Modal's private network between the learner and the rollout servers, which ``publish.transport =
+    "broadcast"`` needs (the rollout containers join the learner's group over it). Needs ``region``: i6pn
+    reaches only containers in one region. False: the learner has no address the rollout servers can
+    reach, so a broadcast run's versions travel as files at once (no ``broadcast_timeout_s`` wait)."""
 
     @model_validator(mode="after")
     def _roles(self) -> ModalDeploy:
@@ -219,6 +249,12 @@ class ModalDeploy(BaseModel):
             raise ValueError("modal.learner.gpu: the learner needs GPUs (\"H100:8\")")
         if self.rollout.gpu is None:
             raise ValueError("modal.rollout.gpu: vLLM on Modal needs a GPU (\"H100:1\")")
+        if self.i6pn and self.region is None:
+            raise ValueError("modal.i6pn: Modal's private network reaches only containers of one region: set "
+                             "modal.region (near the Redis)")
+        for module in self.modules:
+            if not MODULE.match(module):
+                raise ValueError(f"modal.modules: {module!r} is not a Python import name (\"my_rewards\")")
         if gpu_count(self.rollout.gpu) % self.rollout_data_parallel:
             raise ValueError(f"modal.rollout_data_parallel = {self.rollout_data_parallel} does not divide "
                              f"modal.rollout.gpu = {self.rollout.gpu!r}")
@@ -264,6 +300,8 @@ def role_options(plan: ModalDeploy, role: str) -> dict:
     r: RoleDeploy = getattr(plan, role)
     options = {"gpu": r.gpu, "cpu": r.cpu, "memory": r.memory_mib, "timeout": r.timeout_s,
                "region": plan.region}
+    if plan.i6pn and role in ("learner", "rollout"):  # the weight broadcast's network (a cluster has it anyway)
+        options["i6pn"] = True
     if role == "learner":
         return options | {"max_containers": r.nodes, "scaledown_window": r.scaledown_window_s}
     return options | {"min_containers": r.min_containers, "max_containers": r.max_containers,
@@ -312,6 +350,8 @@ def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
         # the learner commits after a version or a checkpoint is written, a rollout server reloads before
         # reading a version, the control plane before looking for a model uploaded since it started
         env["TANDEM_RUN_DIR_VOLUME"] = plan.volume
+    if role == "learner" and not plan.i6pn:
+        env["TANDEM_LEARNER_BROADCAST_HOST"] = ""  # no address a rollout container reaches: files only, no wait
     if role == "reward":
         env["TANDEM_REWARD_SANDBOX"] = "modal"
     if role == "rollout":
@@ -345,6 +385,10 @@ def describe(plan: ModalDeploy, run_name: str) -> list[str]:
     r = plan.learner
     lines.append(f"  learner: a call per run, spawned by the control plane; {r.nodes} node(s) of {role(r)}; "
                  f"retried {r.retries} times (a run trains up to {(r.retries + 1) * r.timeout_s / 3600:g} h)")
+    lines.append("  weight broadcast: " + ("over i6pn between the learner and the rollout containers"
+                                           if plan.i6pn else "off (no i6pn): versions travel as files"))
+    if plan.modules or plan.packages:
+        lines.append(f"  control, reward, rollout images also get: {', '.join(plan.modules + plan.packages)}")
     for which in ("control", "reward"):
         secret, keys = role_secret(plan, which)
         users = "the reward server alone" if which == "reward" else "every other role"

@@ -37,6 +37,8 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path, PurePath, PurePosixPath
 
+from host.processes import stop_group
+
 CONTAINER_ROOT = PurePosixPath("/")
 """The repository root inside a container (``runs/`` there is the mounted volume ``/runs``)."""
 
@@ -79,6 +81,8 @@ def torchrun_argv(*, nproc_per_node: int, config: str | PurePath | None = None, 
     return argv + ["-m", *serve_argv("learner", config, port=port)[2:]]
 
 
+CANCEL_GRACE_S = 30.0
+"""How long a cancelled service may take to stop (the learner checkpoints) before it is killed."""
 _services: list[subprocess.Popen] = []
 """Service processes this container started (each leads its own process group)."""
 _received: list[int] = []
@@ -131,9 +135,16 @@ def start(argv: list[str], env: Mapping[str, str] | None = None) -> subprocess.P
 
 def run(argv: list[str], env: Mapping[str, str] | None = None) -> None:
     """Run ``argv`` to completion in its own process group; raise when it fails, and
-    :class:`Interrupted` when it stopped on a signal this process passed on."""
+    :class:`Interrupted` when it stopped on a signal this process passed on. An exception raised while
+    it runs (Modal raises ``InputCancellation`` in the main thread when the call is cancelled) stops
+    its process group first (SIGTERM, ``CANCEL_GRACE_S``, then SIGKILL): a torchrun left behind would
+    keep training and renewing the run's lease."""
     proc = _spawn(argv, env)
-    code = proc.wait()
+    try:
+        code = proc.wait()
+    except BaseException:  # Modal's InputCancellation (a cancelled call), KeyboardInterrupt: end the service too
+        stop_group(proc, grace_s=CANCEL_GRACE_S)
+        raise
     if _received:
         raise Interrupted(f"{' '.join(argv[1:])} stopped on signal {_received[0]} (exit {code})")
     if code != 0:

@@ -25,13 +25,22 @@ it before reading a version (``TANDEM_RUN_DIR_VOLUME``, ``services.weightstore``
 One learner per run: the control plane spawns ``learner(run_id)`` when it accepts a run
 (``start_learner``). The call trains that run and returns when the run ends; Modal retries it
 after a failure or its 24 h timeout (``[modal.learner].retries``), and the retry resumes from
-the last checkpoint. The run's Redis lease (``broker.lease``, held by the learner under the
-call's id, the same in every attempt) keeps a second call from training it too: that one
-returns at once, naming the holder. ``max_containers`` is one cluster.
+the last checkpoint, after reloading the volume. The run's Redis lease (``broker.lease``, held
+by the learner under the call's id and a part new in each attempt) keeps a second call, or an
+attempt Modal gave up on, from training it too. Cancelling the call ends torchrun.
+``max_containers`` is one cluster.
 
-Signals: Modal sends SIGTERM to the container's main process; this module passes it on to the
-service processes (``launch.forward_signals``, installed when a container imports it), so the
-learner checkpoints and a rollout server releases its leases before the container goes.
+Signals: Modal sends SIGTERM to the container's main process; in the containers that run a
+service process (rollout, learner) this module passes it on (``launch.forward_signals``, installed
+when the container imports it), so the learner checkpoints and a rollout server releases its leases
+before the container goes; the others serve in their own process, which SIGTERM ends.
+
+Images: each role's image ships tandem's packages, filtered, and in the control, reward and
+rollout images ``[modal].modules`` and ``[modal].packages`` (the user's reward functions, tools
+and tracker libraries); the app mounts nothing else (``include_source=False``). The control
+plane refuses runs of another model than the rollout fleet's (``TANDEM_CONTROL_FLEET_MODEL``).
+The weight broadcast goes over i6pn with ``[modal].i6pn``; without it the learner has no
+broadcast host and a broadcast run publishes files.
 
 Redis is not run inside the app: a container is reachable by others only over i6pn within one
 region and must be discovered through a ``modal.Dict``, and it is restarted at the 24 h timeout
@@ -52,6 +61,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import socket
 from pathlib import Path, PurePosixPath
 
 import modal
@@ -59,6 +70,8 @@ import modal
 from deploy import launch
 from deploy.config import (
     IMAGE_PACKAGES,
+    SERVICE_ROLES,
+    USER_ROLES,
     ModalDeploy,
     app_name,
     gpu_count,
@@ -67,9 +80,11 @@ from deploy.config import (
     role_options,
     role_secret,
     role_volumes,
+    tracker_packages,
 )
 from host.processes import free_port
 from services.config import load_run_config
+from services.weightstore import reload_volume
 
 log = logging.getLogger("tandem.control")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,25 +101,44 @@ else:  # in a container: the image carries the resolved choices (see _image)
     REMOTE_CONFIG = PurePosixPath(os.environ["DEPLOY_RUN_CONFIG"])
     RUN_CONFIG = Path(REMOTE_CONFIG)
     SECTION = ModalDeploy.model_validate_json(os.environ["DEPLOY_MODAL_SECTION"])
-    launch.forward_signals()  # the container imports this module in its main thread
+    if os.environ["DEPLOY_ROLE"] in SERVICE_ROLES:  # the others have no service to pass SIGTERM on to
+        launch.forward_signals()  # the container imports this module in its main thread
 
 CONFIG = load_run_config(RUN_CONFIG)
 APP_NAME = app_name(SECTION, CONFIG.name)
 
-app = modal.App(APP_NAME)
+# include_source=False: the code ships once, filtered, in each image (_image); the SDK's default would also
+# mount this module's whole package (deploy/, a filled wheelhouse/ included) on every deploy
+app = modal.App(APP_NAME, include_source=False)
 runs = modal.Volume.from_name(SECTION.volume, create_if_missing=True)
 
 
+def image_packages(role: str) -> list[str]:
+    """pip requirements of ``role``'s image: its extras' pins; the control plane's also the tracker libraries
+    the run config names; the control, reward and rollout images also ``[modal].packages``."""
+    packages = list(IMAGE_PACKAGES[role])
+    if role == "control":
+        packages += tracker_packages(CONFIG.logging.trackers)
+    return packages + (SECTION.packages if role in USER_ROLES else [])
+
+
+def image_sources(role: str) -> tuple[str, ...]:
+    """The Python packages ``role``'s image ships: tandem's, and ``[modal].modules`` in the control, reward
+    and rollout images (the reward functions and tools their settings name)."""
+    return SOURCES + (tuple(SECTION.modules) if role in USER_ROLES else ())
+
+
 def _image(role: str) -> modal.Image:
-    """``role``'s image: Python 3.11, the pinned packages of its extras, then the code (with its
-    package data) and the run config file alone (added last and not copied, so editing them
-    rebuilds nothing; the config's folder is not shipped: at the repository root it would be
-    ``runs/`` and ``.venv``)."""
+    """``role``'s image: Python 3.11, its pip packages (:func:`image_packages`), then the code (with its
+    package data, :func:`image_sources`) and the run config file alone (added last and not copied, so
+    editing them rebuilds nothing; the config's folder is not shipped: at the repository root it would
+    be ``runs/`` and ``.venv``)."""
     return (
         modal.Image.debian_slim(python_version="3.11")
-        .uv_pip_install(*IMAGE_PACKAGES[role])
-        .env({"DEPLOY_RUN_CONFIG": str(REMOTE_CONFIG), "DEPLOY_MODAL_SECTION": SECTION.model_dump_json()})
-        .add_local_python_source(*SOURCES, ignore=SOURCE_IGNORE)
+        .uv_pip_install(*image_packages(role))
+        .env({"DEPLOY_RUN_CONFIG": str(REMOTE_CONFIG), "DEPLOY_MODAL_SECTION": SECTION.model_dump_json(),
+              "DEPLOY_ROLE": role})
+        .add_local_python_source(*image_sources(role), ignore=SOURCE_IGNORE)
         .add_local_file(RUN_CONFIG, str(REMOTE_CONFIG))
     )
 
@@ -143,6 +177,7 @@ def control():
     from control_plane.settings import ControlSettings
 
     os.environ.setdefault("TANDEM_CONTROL_REWARD_URL", reward.get_web_url())  # python reward functions checked
+    os.environ.setdefault("TANDEM_CONTROL_FLEET_MODEL", str(CONFIG.model.path))  # what Rollout.serve loads
     return build_app(_settings(ControlSettings), load_run_config(RUN_CONFIG), start_learner=_spawn_learner)
 
 
@@ -194,17 +229,38 @@ def _clustered(nodes: int):
 def learner(run_id: str):
     """The learner of one run: every rank of ``nodes`` × GPUs under torchrun (rank 0 publishes weights),
     until the run ends. Raises when it was interrupted (SIGTERM: timeout, preemption) while the run
-    goes on, so Modal retries it; the retry resumes from the last checkpoint."""
+    goes on, so Modal retries it; the retry resumes from the last checkpoint, after reloading the volume
+    (a retry may run in a container reused from the last attempt, whose view of the volume lacks what
+    the other nodes committed since). Cancelling the call ends torchrun (``launch.run``)."""
     nodes, rank, master, port = SECTION.learner.nodes, 0, None, None
     if nodes > 1:
         cluster = modal.Cluster.from_context()
         rank, master = cluster.container_rank(), cluster.container_ips()[0]
     else:
         port = free_port()  # one node: any free rendezvous port
-    env = {"TANDEM_LEARNER_ONE_RUN": run_id,
-           "TANDEM_LEARNER_HOLDER": f"modal-call:{modal.current_function_call_id() or os.getpid()}"}
+    if os.environ.get("TANDEM_RUN_DIR_VOLUME"):
+        reload_volume(os.environ["TANDEM_RUN_DIR_VOLUME"])
     launch.run(launch.torchrun_argv(nodes=nodes, node_rank=rank, master_addr=master, master_port=port,
-                                    nproc_per_node=gpu_count(SECTION.learner.gpu)), env)
+                                    nproc_per_node=gpu_count(SECTION.learner.gpu)), _learner_env(run_id))
+
+
+def _learner_env(run_id: str) -> dict[str, str]:
+    """What only this attempt knows: its lease holder id, new in every attempt (an attempt Modal gave up on
+    but that still runs must not renew the lease of the one that replaced it), and with ``[modal].i6pn``
+    the address the rollout containers reach for a weight broadcast."""
+    call = modal.current_function_call_id() or "local"
+    env = {"TANDEM_LEARNER_ONE_RUN": run_id, "TANDEM_LEARNER_HOLDER": f"modal-call:{call}:{secrets.token_hex(4)}"}
+    if SECTION.i6pn:
+        env["TANDEM_LEARNER_BROADCAST_HOST"] = socket.getaddrinfo("i6pn.modal.local", None, socket.AF_INET6)[0][4][0]
+    return env
+
+
+async def _scale_rollout(*, min_containers: int, max_containers: int) -> None:
+    """Set the rollout class's containers (``deploy.autoscale.tick``'s ``apply``), through the autoscaler
+    API of its service function: ``Cls.update_autoscaler`` calls the deprecated
+    ``Function.update_autoscaler`` (a warning every tick in modal 1.6.4)."""
+    await Rollout._get_class_service_function().autoscaler.update.aio(min_containers=min_containers,
+                                                                       max_containers=max_containers)
 
 
 if SECTION.autoscale.enabled:
@@ -224,7 +280,7 @@ if SECTION.autoscale.enabled:
             try:
                 await tick(redis, min_containers=SECTION.rollout.min_containers,
                            max_containers=SECTION.rollout.max_containers, policy=SECTION.autoscale,
-                           apply=Rollout().update_autoscaler.aio)
+                           apply=_scale_rollout)
             finally:
                 await redis.aclose()
 

@@ -141,8 +141,11 @@ class Publisher:
         self.status, self.metrics, self.timeline = status, metrics, timeline
         self.broadcaster = None
         """With ``publish.transport = "broadcast"``: streams each version before its files are written."""
-        if cfg.publish.transport == "broadcast":
+        if cfg.publish.transport == "broadcast" and settings.broadcast_host:
             self.broadcaster = Broadcaster(redis, keys, cfg.publish, settings.broadcast_host)
+        elif cfg.publish.transport == "broadcast":
+            log.warning("publish.transport = 'broadcast', but this learner has no address the rollout servers "
+                        "reach (TANDEM_LEARNER_BROADCAST_HOST is empty): versions go as files")
         self._writing: asyncio.Task | None = None
         """The background write and registration of the last broadcast version (:meth:`publish`)."""
 

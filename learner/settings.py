@@ -24,7 +24,8 @@ class LearnerSettings(WorkerSettings):
     holder: str | None = None
     """This learner's id in its run's lease (TANDEM_LEARNER_HOLDER; every rank of one job must agree).
     Unset: ``host:pid`` of the process (of torchrun's agent, under torchrun). On Modal: the spawned
-    call's id, the same in every attempt Modal retries, so a retry takes over its own lease at once."""
+    call's id and a part new in each attempt Modal makes, so an attempt Modal gave up on that still
+    runs cannot renew the lease of the one that replaced it."""
     lease_s: float = Field(default=30.0, gt=0)
     """Length of the run's learner lease, renewed every third of it (TANDEM_LEARNER_LEASE_S). A second
     learner of a run waits 1.5 times this for the lease and then gives up, naming its holder; a learner
@@ -34,7 +35,9 @@ class LearnerSettings(WorkerSettings):
     """The address of this learner that rollout servers reach to join a weight broadcast
     (TANDEM_LEARNER_BROADCAST_HOST; the run config's ``publish.transport = "broadcast"``): rank 0 hosts
     each version's group store on a free port of it. The tensors themselves travel on the interface
-    gloo picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides)."""
+    gloo picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides). Empty: no
+    address the rollout servers can reach (a Modal deploy without ``[modal].i6pn``): the versions of a
+    broadcast run are written as files at once, with no ``publish.broadcast_timeout_s`` wait."""
 
     @property
     def holder_id(self) -> str:

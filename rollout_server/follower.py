@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from pathlib import Path
 
 from broker import Keys, connect
 from rollout_server.actor import Actor, cancel_and_wait, reward_client
@@ -27,7 +26,7 @@ from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
 from rollout_server.tools import ToolBox, load_user_tools
-from services.config import RunConfig
+from services.config import serves_model
 from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
 from services.timeline import Timeline
 
@@ -68,12 +67,6 @@ async def follow_runs(
             log.info("run %s is over", run.run_id)
     finally:
         await redis.aclose()
-
-
-def serves_model(config: RunConfig, model_dir: str | Path) -> bool:
-    """Whether a server that loaded ``model_dir`` serves a run of ``config``: its ``model.path`` is that
-    folder (the control plane stores the path as the deployment sees it: control_plane.model_path)."""
-    return Path(config.model.path).resolve() == Path(model_dir).resolve()
 
 
 async def _serve(

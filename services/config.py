@@ -512,3 +512,11 @@ def load_run_config(path: str | Path) -> RunConfig:
     """Read, validate and resolve a run config file. Raises :class:`ConfigError`."""
     path = Path(path)
     return parse_run_config(read_toml(path), str(path)).resolve_paths(path.parent)
+
+
+def serves_model(config: RunConfig, model_dir: str | Path) -> bool:
+    """Whether a rollout server that loaded ``model_dir`` serves a run of ``config``: its ``model.path`` is
+    that folder (the control plane stores the path as the deployment sees it: control_plane.model_path;
+    with ``TANDEM_CONTROL_FLEET_MODEL`` it refuses a run that names another)."""
+    return Path(config.model.path).resolve() == Path(model_dir).resolve()
+

@@ -1,6 +1,6 @@
 """The rollout autoscaler against real Redis: it reads the active run's backlog from the keys the control
 plane, rollout servers and learner keep, remembers its state between looks in Redis, and sets the
-rollout class's containers through ``Cls.update_autoscaler``, which here is a spy standing in for
+rollout class's containers through its autoscaler (``deploy.modal_app._scale_rollout``), here a spy standing in for
 Modal's cloud (it records the keyword arguments)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ GROUPS = 10
 
 
 class UpdateAutoscalerSpy:
-    """Stands in for ``Rollout().update_autoscaler.aio`` (Modal's cloud): records each call."""
+    """Stands in for ``deploy.modal_app._scale_rollout`` (Modal's cloud): records each call."""
 
     def __init__(self):
         self.calls: list[dict] = []

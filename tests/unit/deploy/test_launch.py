@@ -86,3 +86,55 @@ def test_sigterm_to_the_container_entrypoint_reaches_the_service_and_fails_the_c
     assert marker.exists(), f"the service never got SIGTERM; entrypoint: {log.read_text()}"
     assert marker.read_text() == "checkpoint saved on SIGTERM"
     assert proc.returncode == 3 and "stopped on signal 15 (exit 0)" in log.read_text(), log.read_text()
+
+
+CANCELLED = """
+import signal, sys
+from modal.exception import InputCancellation
+from deploy import launch
+
+def cancel(signum, frame):  # what Modal's container entrypoint installs for a sync function (SIGUSR1)
+    raise InputCancellation("Input was cancelled by user")
+
+signal.signal(signal.SIGUSR1, cancel)
+try:
+    launch.run([sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)",
+                sys.argv[1]])
+except InputCancellation:
+    print("cancelled", flush=True)
+"""
+
+
+def test_a_cancelled_call_ends_the_service_it_runs(tmp_path):
+    """Cancelling a Modal call raises InputCancellation in the container's main thread, where ``launch.run``
+    waits: the service (torchrun) must end with it. Before: it went on (training, renewing the lease)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from host.processes import die_with_parent, stop_group
+
+    pid_file, log = tmp_path / "service.pid", tmp_path / "entrypoint.log"
+    with open(log, "w") as out:  # a file, not a pipe: a service left behind would hold a pipe open
+        proc = subprocess.Popen([sys.executable, "-c", CANCELLED, str(pid_file)], cwd=Path(__file__).parents[3],
+                                stdout=out, start_new_session=True, preexec_fn=die_with_parent)
+    service = None
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "the service never started"
+            time.sleep(0.05)
+        service = int(pid_file.read_text())
+        proc.send_signal(signal.SIGUSR1)  # Modal cancels the input
+        assert proc.wait(timeout=60) == 0 and "cancelled" in log.read_text()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{service}"):
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{service}"), "the service outlived its cancelled call"
+        service = None
+    finally:
+        stop_group(proc, grace_s=0)
+        if service is not None:  # left behind (the failure above): its own group, started by this test
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.killpg(service, signal.SIGKILL)

@@ -315,7 +315,8 @@ def test_image_pins_match_pyproject():
 
 # --- every entrypoint runs only what `tandem serve` runs -------------------------------------
 
-ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_settings", "_spawn_learner"]
+ENTRYPOINTS = ["control", "reward", "Rollout.serve", "_rollout_env", "learner", "_learner_env", "_settings",
+               "_spawn_learner", "_scale_rollout"]
 SERVICE_MODULES = {"control_plane", "reward_server", "rollout_server", "learner"}
 """The packages whose ``build_app`` / ``serve`` ``tandem serve`` calls (deploy.cli.SERVICE_PACKAGES)."""
 GLUE = {
@@ -324,13 +325,16 @@ GLUE = {
     # where the other containers are: this container's rank, rank 0's address, the reward URL
     "modal.Cluster.from_context", "cluster.container_rank", "cluster.container_ips",
     "reward.get_web_url", "os.environ.get", "os.environ.setdefault",
-    # a learner call per run: its rendezvous port and its lease holder's id (the call's)
-    "free_port", "modal.current_function_call_id", "os.getpid",
+    # a learner call per run: its rendezvous port, the volume reloaded before it resumes, its lease holder's
+    # id (the call's, and the attempt's), its address on i6pn for a weight broadcast
+    "free_port", "reload_volume", "modal.current_function_call_id", "secrets.token_hex", "socket.getaddrinfo",
+    # the autoscaler's apply: the rollout class's autoscaler (Function.autoscaler.update(...).aio)
+    "Rollout._get_class_service_function", "aio",
     # the control plane's start_learner: Modal's spawn, its error as the control plane's, a log line
     "learner.spawn.aio", "LearnerStartError", "log.info",
 }
 """Calls named in full (``uvicorn.run`` is not ``launch.run``)."""
-HELPERS = {"_settings", "_rollout_env", "cls", "gpu_count"}
+HELPERS = {"_settings", "_rollout_env", "_learner_env", "cls", "gpu_count"}
 """This module's own helpers (themselves entrypoints above) and ``_settings``'s class argument."""
 
 
@@ -488,3 +492,176 @@ def test_tandem_deploy_modal_runs_modal_deploy_on_the_app_with_the_run_config(tm
     assert built.stdout.split()[-1] == "tandem-arith"
     bad = CliRunner().invoke(cli, ["deploy", "gcp", "--config", str(config), "--dry-run"])
     assert bad.exit_code == 2 and "unknown deploy target" in bad.output
+
+
+# --- issue 35: what each image gets, signals, the learner's attempts, the autoscaler, the broadcast -------
+
+CONTAINER = """
+import os, signal, sys, time
+import modal
+modal.is_local = lambda: False  # as in a container: the module reads its choices from the image's environment
+import deploy.modal_app  # noqa: F401
+os.kill(os.getpid(), signal.SIGTERM)  # Modal's stop (scale-down, preemption, timeout)
+time.sleep(10)
+print("SIGTERM ignored", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("role", "forwards"), [("control", False), ("reward", False), ("autoscale", False),
+                                                ("rollout", True), ("learner", True)])
+def test_only_containers_that_run_services_pass_sigterm_on(role, forwards):
+    """A container importing the app installs the SIGTERM forwarder only where a service process runs
+    (rollout, learner); the others serve in their own process, which SIGTERM must end. Before: every
+    container ignored SIGTERM until Modal killed it after the grace period."""
+    env = {**os.environ, "DEPLOY_ROLE": role, "DEPLOY_RUN_CONFIG": str(ROOT / "examples/arith/run.toml"),
+           "DEPLOY_MODAL_SECTION": ModalDeploy().model_dump_json(), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", CONTAINER], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    if forwards:
+        assert done.returncode == 0 and "SIGTERM ignored" in done.stdout, done.stderr[-2000:]
+    else:
+        assert done.returncode == -15, (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+def _raw(obj):
+    from modal._utils.async_utils import synchronizer
+
+    return synchronizer._translate_in(obj)
+
+
+def test_no_function_mounts_source_beside_its_image():
+    """include_source=False: the code reaches the containers only through each image's filtered
+    add_local_python_source. Before: the SDK also mounted the app module's whole package (deploy/, a
+    filled deploy/wheelhouse/ too) with its default filter, on every deploy. The app is imported as
+    ``modal deploy -m deploy.modal_app`` imports it: as a module of its package."""
+    import deploy.modal_app as module
+
+    functions = {name: getattr(module, name) for name in ("control", "reward", "learner", "autoscale")}
+    functions["rollout"] = module.Rollout._get_class_service_function()
+    for name, fn in functions.items():
+        local = [m for m in _raw(fn)._spec.mounts if m.is_local()]  # the other: Modal's own client, from Modal
+        assert local == [], (name, [str(r) for m in local for e in m.entries for _, r in e.get_files_to_upload()][:5])
+
+
+def test_your_modules_and_packages_reach_the_control_reward_and_rollout_images(monkeypatch, tmp_path):
+    """[modal] modules and packages: the reward functions, tools and tracker libraries a deployment uses
+    are shipped to the control, reward and rollout images (the SDK's own record of each image's Python
+    sources; its pip layers as given); the tracker libraries the run config names reach the control
+    image without being listed. Before: only tandem's packages were shipped, and a run with trackers got
+    422 from the deployed control plane."""
+    (tmp_path / "my_rewards").mkdir()
+    (tmp_path / "my_rewards" / "__init__.py").write_text("def one(completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pip = []
+    real = modal.Image.uv_pip_install
+
+    def uv_pip_install_recorder_mock(self, *packages, **kw):
+        pip.append(list(packages))
+        return real(self, *packages, **kw)
+
+    monkeypatch.setattr(modal.Image, "uv_pip_install", uv_pip_install_recorder_mock)
+    module, _ = load_app(monkeypatch, tmp_path, '[modal]\nmodules = ["my_rewards"]\npackages = ["sympy==1.14.0"]\n')
+    images = {"control": module.control, "reward": module.reward, "learner": module.learner,
+              "autoscale": module.autoscale, "rollout": module.Rollout._get_class_service_function()}
+    for role, fn in images.items():
+        shipped = _raw(fn)._spec.image._added_python_source_set
+        assert ("my_rewards" in shipped) == (role in ("control", "reward", "rollout")), role
+        assert {"deploy", "reward_server", "rollout_server"} <= shipped, role
+    # in definition order: control, reward, rollout, learner, autoscale
+    assert [("sympy==1.14.0" in p) for p in pip] == [True, True, True, False, False]
+    from modal.mount import _Mount
+
+    mount = _Mount._from_local_python_packages("my_rewards", ignore=module.SOURCE_IGNORE)
+    assert {str(r) for e in mount.entries for _, r in e.get_files_to_upload()} == {"/root/my_rewards/__init__.py"}
+    from deploy.config import tracker_packages
+
+    assert tracker_packages(["wandb", "mlflow"]) == ["wandb>=0.31", "mlflow>=3.17"]
+    assert [p for p in module.image_packages("control") if "tensorboard" in p] == []  # arith names no tracker
+    monkeypatch.setattr(module, "CONFIG", module.CONFIG.model_copy(update={"logging": module.CONFIG.logging.model_copy(
+        update={"trackers": ["tensorboard"]})}))
+    assert "tensorboard>=2.21" in module.image_packages("control")
+    assert "tensorboard>=2.21" not in module.image_packages("reward")
+    with pytest.raises(ValueError, match="modal.modules"):
+        ModalDeploy(modules=["my-rewards"])
+
+
+def test_each_learner_attempt_has_its_own_lease_holder(monkeypatch, tmp_path):
+    """Modal retries a call under the same call id; an attempt it gave up on (cancelled, timed out) may still
+    run, and must not renew the lease of the attempt that replaced it. Before: the holder was the call id."""
+    module, _ = load_app(monkeypatch, tmp_path, None)
+    monkeypatch.setattr(modal, "current_function_call_id", lambda: "fc-01")
+    first, second = (module._learner_env("r1")["TANDEM_LEARNER_HOLDER"] for _ in range(2))
+    assert first.startswith("modal-call:fc-01:") and second.startswith("modal-call:fc-01:") and first != second
+
+
+class VolumeReloaded(Exception):
+    pass
+
+
+@pytest.mark.filterwarnings("ignore:The learner function is executing locally")
+def test_the_learner_reloads_the_volume_before_it_starts(monkeypatch, tmp_path):
+    """A retry may run in the container of the failed attempt, whose view of the volume lacks what the other
+    nodes committed since: the learner function reloads the volume before it starts torchrun. The
+    volume is a mock of Modal's cloud (it raises on reload, so nothing is started)."""
+    module, _ = load_app(monkeypatch, tmp_path, None)
+    reloaded = []
+
+    class VolumeMock:
+        def __init__(self, name):
+            self.name = name
+
+        def reload(self):
+            reloaded.append((self.name, list(launch._services)))
+            raise VolumeReloaded
+
+    monkeypatch.setattr(modal.Volume, "from_name", lambda name, **kw: VolumeMock(name))
+    monkeypatch.setenv("TANDEM_RUN_DIR_VOLUME", "tandem-runs")
+    started = list(launch._services)
+    with pytest.raises(VolumeReloaded):
+        module.learner.local("r1")
+    assert reloaded == [("tandem-runs", started)]  # before torchrun was started
+
+
+def test_the_autoscaler_uses_the_function_autoscaler_api(monkeypatch, tmp_path):
+    """The autoscaler sets the rollout class's containers through ``Function.autoscaler.update``: the
+    class's ``update_autoscaler`` calls ``Function.update_autoscaler``, deprecated in modal 1.6.4 (a
+    warning every tick). Modal's cloud is a spy at the SDK's gRPC stub (it records the request)."""
+    import asyncio
+    import warnings
+
+    from modal._functions import _Function
+    from modal_proto import api_pb2
+
+    requests = []
+
+    class StubSpy:
+        async def FunctionUpdateSchedulingParams(self, request):
+            requests.append(request)
+            return api_pb2.FunctionUpdateSchedulingParamsResponse()
+
+    async def hydrate_spy(self, client=None):
+        self._client = type("ClientSpy", (), {"_stub": StubSpy()})()
+        self._object_id = "fu-spy"
+        self._is_hydrated = True
+        return self
+
+    monkeypatch.setattr(_Function, "hydrate", hydrate_spy)
+    module, _ = load_app(monkeypatch, tmp_path, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(module._scale_rollout(min_containers=2, max_containers=4))
+    assert [(r.settings.min_containers, r.settings.max_containers) for r in requests] == [(2, 4)]
+
+
+def test_the_weight_broadcast_runs_over_i6pn_or_not_at_all(monkeypatch, tmp_path):
+    """Without [modal] i6pn the rollout containers cannot reach the learner: its broadcast host is empty, so
+    a broadcast run publishes files at once (before: 127.0.0.1, and each version waited out
+    broadcast_timeout_s). With it, the learner and the rollout servers get i6pn, in one region."""
+    plan = ModalDeploy()
+    assert role_env(plan, "learner")["TANDEM_LEARNER_BROADCAST_HOST"] == ""
+    with pytest.raises(ValueError, match="modal.region"):
+        ModalDeploy(i6pn=True)
+    module, spy = load_app(monkeypatch, tmp_path, '[modal]\ni6pn = true\nregion = "us-east"\n')
+    assert "TANDEM_LEARNER_BROADCAST_HOST" not in role_env(module.SECTION, "learner")  # its i6pn address, at call time
+    assert spy.calls[id(module.learner)]["i6pn"] and spy.calls[id(module.Rollout)]["i6pn"]
+    assert "i6pn" not in spy.calls[id(module.control)] and "i6pn" not in spy.calls[id(module.reward)]
