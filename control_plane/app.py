@@ -357,7 +357,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None, *,
         app.state.runs = RunStore(redis)
         app.state.functions = FunctionCheck(settings)
         app.state.prompt_sets = PromptSetStore(redis, settings, app.state.functions)
-        app.state.trackers = TrackerHub(redis, settings.run_dir).start()
+        app.state.trackers = TrackerHub(redis, settings.run_dir, mlflow_uris=settings.mlflow_tracking_uris).start()
         app.state.stalls = StallMonitor(redis).start()  # silent heartbeats become incidents
         try:
             yield

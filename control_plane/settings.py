@@ -38,6 +38,11 @@ class ControlSettings(CommonSettings):
     doubling to 1 s: the default (``broker.streams.RECONNECT_RETRIES``, about 25 s) rides out a Redis
     restarted on its AOF; past them the request is answered 503 with Retry-After
     (TANDEM_CONTROL_REDIS_RETRIES)."""
+    mlflow_tracking_uris: list[str] = Field(default_factory=list)
+    """MLflow tracking URIs a run's ``logging.mlflow_tracking_uri`` may name (TANDEM_CONTROL_MLFLOW_TRACKING_URIS,
+    JSON list, compared up to a trailing slash). Empty (the default): none, and a run logs to MLflow's SQLite
+    store under its tracker directory; a run naming another URI gets 422 naming the field (its config
+    comes from whoever may submit, and MLflow would connect to any URL or open an SQLite file anywhere)."""
     session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
     """Lifetime of the dashboard's read-only session cookie (``GET /?token=T``) in seconds: its
     Max-Age, and the age past which the server refuses it (TANDEM_CONTROL_SESSION_MAX_AGE_S)."""

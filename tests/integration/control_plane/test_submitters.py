@@ -1,0 +1,63 @@
+"""What a token holder who is not the operator can make a real control plane do (docs/security.md,
+"Submitters"): a `tandem serve control` process of its own, reached over HTTP.
+
+- a run config cannot choose where the tracker hub writes (``logging.dir`` outside the run directory)
+  nor what MLflow connects to (a ``mlflow_tracking_uri`` the operator did not list).
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.fixtures.control import ARITH_LINES, TOKEN, run_config
+
+pytestmark = pytest.mark.slow  # a control plane process each
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def _upload(client: httpx.AsyncClient, token: str = TOKEN) -> httpx.Response:
+    body = "\n".join(json.dumps(x) for x in ARITH_LINES).encode() + b"\n"
+    return await client.post("/v1/prompt-sets", content=body,
+                             headers={**_auth(token), "Content-Type": "application/x-ndjson"})
+
+
+async def test_a_run_config_cannot_choose_where_trackers_write_nor_what_mlflow_connects_to(control_process, tmp_path):
+    run_dir, outside = tmp_path / "runs", tmp_path / "outside"
+    model = run_dir / "models" / "m"
+    model.mkdir(parents=True)
+    allowed = tmp_path / "operators-mlflow"
+    allowed.mkdir()
+    allowed_uri = f"sqlite:///{allowed / 'mlflow.db'}"
+    url = control_process(TANDEM_RUN_DIR=str(run_dir), TANDEM_CONTROL_MLFLOW_TRACKING_URIS=json.dumps([allowed_uri]))
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        set_id = (await _upload(client)).json()["id"]
+
+        async def create(logging: dict) -> httpx.Response:
+            config = run_config(model={"path": str(model)}, logging=logging)
+            return await client.post("/v1/runs", headers=_auth(TOKEN), json={"prompt_set_id": set_id, "config": config})
+
+        crafted = [
+            ({"trackers": ["tensorboard"], "dir": str(outside)}, "logging.dir"),
+            ({"trackers": ["tensorboard"], "dir": "../outside"}, "logging.dir"),
+            ({"trackers": ["tensorboard"], "dir": f"models/../../outside"}, "logging.dir"),
+            ({"trackers": ["mlflow"], "mlflow_tracking_uri": f"sqlite:///{outside / 'mlflow.db'}"},
+             "logging.mlflow_tracking_uri"),
+            ({"trackers": ["mlflow"], "mlflow_tracking_uri": "http://127.0.0.1:9/"}, "logging.mlflow_tracking_uri"),
+        ]
+        for logging, field in crafted:
+            r = await create(logging)
+            assert r.status_code == 422 and r.json()["detail"].startswith(field), (logging, r.text)
+        assert not outside.exists()
+        assert (await client.get("/v1/runs", headers=_auth(TOKEN))).json() == []
+
+        # under the run directory, and the URI the operator listed: the run is created and logs there
+        r = await create({"trackers": ["tensorboard", "mlflow"], "dir": "shared-trackers",
+                          "mlflow_tracking_uri": allowed_uri})
+        assert r.status_code == 201, r.text
+        assert (run_dir / "shared-trackers" / "tensorboard").is_dir() and (allowed / "mlflow.db").is_file()
