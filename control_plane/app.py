@@ -155,7 +155,7 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     config = parse_run_config(raw, "config")
     try:  # the model as the rollout servers and the learner will read it (control_plane.model_path)
         config = await asyncio.to_thread(deployed_model, config, body.client_run_dir, state.settings.run_dir,
-                                         state.settings.run_dir_volume)
+                                         state.settings.run_dir_volume, state.settings.model_dirs)
     except ModelNotVisible as e:
         raise ServiceError(422, str(e)) from None
     if await state.prompt_sets.info(body.prompt_set_id) is None:

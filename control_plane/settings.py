@@ -7,6 +7,8 @@ own package; ``services.settings`` holds only what several processes share.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field, SecretStr
 
 from services.settings import PREFIX, CommonSettings, settings_config
@@ -38,6 +40,12 @@ class ControlSettings(CommonSettings):
     doubling to 1 s: the default (``broker.streams.RECONNECT_RETRIES``, about 25 s) rides out a Redis
     restarted on its AOF; past them the request is answered 503 with Retry-After
     (TANDEM_CONTROL_REDIS_RETRIES)."""
+    model_dirs: list[Path] = Field(default_factory=list)
+    """Folders besides the run directory that a run's ``model.path`` may lie in (TANDEM_CONTROL_MODEL_DIRS,
+    JSON list; symlinks and ``..`` resolved before the check). Empty (the default): the run directory only,
+    and a path elsewhere gets 422 without being looked at, so a submitter learns nothing of the control
+    plane's disk. ``tandem up`` and ``tandem run`` set ``["/"]`` unless it is set: their one client is the
+    operator, on the same disk."""
     mlflow_tracking_uris: list[str] = Field(default_factory=list)
     """MLflow tracking URIs a run's ``logging.mlflow_tracking_uri`` may name (TANDEM_CONTROL_MLFLOW_TRACKING_URIS,
     JSON list, compared up to a trailing slash). Empty (the default): none, and a run logs to MLflow's SQLite

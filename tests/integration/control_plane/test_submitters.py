@@ -2,7 +2,8 @@
 "Submitters"): a `tandem serve control` process of its own, reached over HTTP.
 
 - a run config cannot choose where the tracker hub writes (``logging.dir`` outside the run directory)
-  nor what MLflow connects to (a ``mlflow_tracking_uri`` the operator did not list).
+  nor what MLflow connects to (a ``mlflow_tracking_uri`` the operator did not list);
+- a run's ``model.path`` outside the run directory is refused, the same whether it exists or not.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ async def test_a_run_config_cannot_choose_where_trackers_write_nor_what_mlflow_c
         crafted = [
             ({"trackers": ["tensorboard"], "dir": str(outside)}, "logging.dir"),
             ({"trackers": ["tensorboard"], "dir": "../outside"}, "logging.dir"),
-            ({"trackers": ["tensorboard"], "dir": f"models/../../outside"}, "logging.dir"),
+            ({"trackers": ["tensorboard"], "dir": "models/../../outside"}, "logging.dir"),
             ({"trackers": ["mlflow"], "mlflow_tracking_uri": f"sqlite:///{outside / 'mlflow.db'}"},
              "logging.mlflow_tracking_uri"),
             ({"trackers": ["mlflow"], "mlflow_tracking_uri": "http://127.0.0.1:9/"}, "logging.mlflow_tracking_uri"),
@@ -61,3 +62,32 @@ async def test_a_run_config_cannot_choose_where_trackers_write_nor_what_mlflow_c
                           "mlflow_tracking_uri": allowed_uri})
         assert r.status_code == 201, r.text
         assert (run_dir / "shared-trackers" / "tensorboard").is_dir() and (allowed / "mlflow.db").is_file()
+
+
+async def test_a_model_path_outside_the_run_directory_is_refused_without_being_looked_at(control_process, tmp_path):
+    run_dir, outside = tmp_path / "runs", tmp_path / "outside"
+    (run_dir / "models" / "m").mkdir(parents=True)
+    outside.mkdir()
+    (run_dir / "models" / "link").symlink_to(outside)
+    url = control_process(TANDEM_RUN_DIR=str(run_dir))
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        set_id = (await _upload(client)).json()["id"]
+
+        async def create(path, client_run_dir: str | None = None) -> httpx.Response:
+            body = {"prompt_set_id": set_id, "config": run_config(model={"path": str(path)})}
+            return await client.post("/v1/runs", headers=_auth(TOKEN), json=body | {"client_run_dir": client_run_dir})
+
+        # a folder that exists and one that does not get the same answer: it tells nothing of the disk
+        answers = []
+        for path in (outside, tmp_path / "nothing-here", run_dir / "models" / "link", run_dir / ".." / "outside"):
+            r = await create(path)
+            assert r.status_code == 422 and r.json()["detail"].startswith("model.path:"), r.text
+            answers.append(r.json()["detail"].replace(str(path), "<path>"))
+        assert len(set(answers)) == 1 and "outside the control plane's run directory" in answers[0], answers
+        # mapped from the client's run directory onto a symlink that leaves this one: refused too
+        r = await create(tmp_path / "laptop" / "models" / "link", client_run_dir=str(tmp_path / "laptop"))
+        assert r.status_code == 422 and r.json()["detail"].startswith("model.path:"), r.text
+        assert (await client.get("/v1/runs", headers=_auth(TOKEN))).json() == []
+        # inside: accepted
+        r = await create(run_dir / "models" / "m")
+        assert r.status_code == 201, r.text
