@@ -3,7 +3,8 @@
 
 - a run config cannot choose where the tracker hub writes (``logging.dir`` outside the run directory)
   nor what MLflow connects to (a ``mlflow_tracking_uri`` the operator did not list);
-- a run's ``model.path`` outside the run directory is refused, the same whether it exists or not.
+- a run's ``model.path`` outside the run directory is refused, the same whether it exists or not;
+- a token stops and deletes only the runs and prompt sets it made (another's need ``admin``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def _auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-async def _upload(client: httpx.AsyncClient, token: str = TOKEN) -> httpx.Response:
-    body = "\n".join(json.dumps(x) for x in ARITH_LINES).encode() + b"\n"
+async def _upload(client: httpx.AsyncClient, token: str = TOKEN, lines: list[dict] = ARITH_LINES) -> httpx.Response:
+    body = "\n".join(json.dumps(x) for x in lines).encode() + b"\n"
     return await client.post("/v1/prompt-sets", content=body,
                              headers={**_auth(token), "Content-Type": "application/x-ndjson"})
 
@@ -91,3 +92,44 @@ async def test_a_model_path_outside_the_run_directory_is_refused_without_being_l
         # inside: accepted
         r = await create(run_dir / "models" / "m")
         assert r.status_code == 201, r.text
+
+
+ALICE = "submitter-alice-token-0123"
+BOB = "submitter-bob-token-456789"
+READER = "a-read-only-token-0123456"
+
+
+@pytest.mark.parametrize("scope", ["submit", "write"])  # "write": the old name, kept for existing TANDEM_TOKENS
+async def test_a_token_stops_and_deletes_only_what_it_made(control_process, tmp_path, scope):
+    run_dir = tmp_path / "runs"
+    model = run_dir / "models" / "m"
+    model.mkdir(parents=True)
+    tokens = {ALICE: ["read", scope], BOB: ["read", scope], READER: ["read"]}
+    url = control_process(TANDEM_RUN_DIR=str(run_dir), TANDEM_TOKENS=json.dumps(tokens))
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        r = await _upload(client, ALICE)
+        assert r.status_code == 201, r.text
+        alices_set = r.json()["id"]
+        r = await client.post("/v1/runs", headers=_auth(ALICE),
+                              json={"prompt_set_id": alices_set, "config": run_config(model={"path": str(model)})})
+        assert r.status_code == 201, r.text
+        alices_run = r.json()["run_id"]
+
+        # Bob, another owner, may read them but neither stop nor delete them
+        r = await client.post(f"/v1/runs/{alices_run}/stop", headers=_auth(BOB))
+        assert r.status_code == 403 and "'admin' scope" in r.json()["detail"], r.text
+        r = await client.delete(f"/v1/prompt-sets/{alices_set}", headers=_auth(BOB))
+        assert r.status_code == 403 and "'admin' scope" in r.json()["detail"], r.text
+        assert (await client.get(f"/v1/runs/{alices_run}", headers=_auth(BOB))).json()["run"]["state"] == "queued"
+        assert (await client.get(f"/v1/prompt-sets/{alices_set}", headers=_auth(BOB))).status_code == 200
+        # a read-only token submits nothing
+        r = await _upload(client, READER, ARITH_LINES[:2])
+        assert r.status_code == 403 and "'submit' scope" in r.json()["detail"], r.text
+
+        # Alice stops her own run; Bob deletes his own set; the operator's token deletes Alice's
+        r = await client.post(f"/v1/runs/{alices_run}/stop", headers=_auth(ALICE))
+        assert r.status_code == 200 and r.json()["state"] == "stopped", r.text
+        r = await _upload(client, BOB, ARITH_LINES[:2])
+        assert r.status_code == 201, r.text
+        assert (await client.delete(f"/v1/prompt-sets/{r.json()['id']}", headers=_auth(BOB))).status_code == 200
+        assert (await client.delete(f"/v1/prompt-sets/{alices_set}", headers=_auth(TOKEN))).status_code == 200
