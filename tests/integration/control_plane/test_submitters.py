@@ -1,5 +1,5 @@
 """What a token holder who is not the operator can make a real control plane do (docs/security.md,
-"Submitters"): a `tandem serve control` process of its own, reached over HTTP.
+"Tokens and scopes"): a `tandem serve control` process of its own, reached over HTTP.
 
 - a run config cannot choose where the tracker hub writes (``logging.dir`` outside the run directory)
   nor what MLflow connects to (a ``mlflow_tracking_uri`` the operator did not list);
