@@ -57,9 +57,9 @@ from services.config import ConfigError, RunConfig, parse_run_config
 from services.evaluate import EvalLog, eval_prompts
 from services.prompt_forms import chat_template_in
 from services.prompt_lines import LineError
-from services.security import principal_of
 from services.reward_specs import REWARD_TYPES, RewardSpec
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
+from services.security import principal_of
 from services.watchdog import IncidentLog
 from services.wire import (
     CpuAccount,
