@@ -70,7 +70,7 @@ async def test_a_model_path_outside_the_run_directory_is_refused_without_being_l
     (run_dir / "models" / "m").mkdir(parents=True)
     outside.mkdir()
     (run_dir / "models" / "link").symlink_to(outside)
-    url = control_process(TANDEM_RUN_DIR=str(run_dir))
+    url = control_process(TANDEM_RUN_DIR=str(run_dir), TANDEM_CONTROL_MODEL_DIRS="[]")  # the default: none
     async with httpx.AsyncClient(base_url=url, timeout=60) as client:
         set_id = (await _upload(client)).json()["id"]
 
