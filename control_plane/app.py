@@ -10,6 +10,10 @@ rollout servers find the active run in the registry (``services.runs``) and
 report progress and metrics there, which the status, metrics and dashboard
 routes read back.
 
+Who may do what: ``services.security``'s scopes (``read``, ``submit``, ``admin``); a prompt set
+and a run are owned by the token that made them, and deleting or stopping another token's needs
+``admin`` (403).
+
 Errors map to statuses in one place (:func:`_errors`): unknown prompt set
 (``prompt_set_id`` or ``eval_prompt_set_id``, named in the message) or run 404, a second active run or an impossible transition 409, bad input 422
 (naming the line or field), uploads over ``max_prompt_set_bytes`` 413, and
@@ -55,6 +59,7 @@ from services.prompt_forms import chat_template_in
 from services.prompt_lines import LineError
 from services.reward_specs import REWARD_TYPES, RewardSpec
 from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
+from services.security import principal_of
 from services.watchdog import IncidentLog
 from services.wire import (
     CpuAccount,
@@ -119,7 +124,7 @@ async def upload_prompt_set(
         raise ServiceError(415, f"send JSON lines as application/x-ndjson, not {content_type}")
     if request.headers.get("content-encoding", "identity").lower() != "identity":
         raise ServiceError(415, "send the prompt set uncompressed (no Content-Encoding)")
-    return await _state(request).prompt_sets.upload(request.stream(), default_type)
+    return await _state(request).prompt_sets.upload(request.stream(), default_type, principal_of(request).owner)
 
 
 @router.get("/prompt-sets", response_model=list[PromptSetInfo], summary="Stored prompt sets, newest first")
@@ -138,11 +143,23 @@ async def get_prompt_set(set_id: str, request: Request) -> PromptSetInfo:
 
 @router.delete("/prompt-sets/{set_id}", response_model=PromptSetInfo, summary="Delete a stored prompt set")
 async def delete_prompt_set(set_id: str, request: Request) -> PromptSetInfo:
-    """Runs already created from the set keep their prompts (enqueued when they were created)."""
-    info = await _state(request).prompt_sets.delete(set_id)
+    """Runs already created from the set keep their prompts (enqueued when they were created). Another
+    token's set needs the ``admin`` scope (403)."""
+    store = _state(request).prompt_sets
+    if await store.info(set_id) is None:
+        raise ServiceError(404, f"no prompt set {set_id}")
+    _may_manage(request, f"prompt set {set_id}", await store.owner(set_id), "deleting")
+    info = await store.delete(set_id)
     if info is None:
         raise ServiceError(404, f"no prompt set {set_id}")
     return info
+
+
+def _may_manage(request: Request, what: str, owner: str | None, doing: str) -> None:
+    """403 unless the request's token made ``what`` or holds the ``admin`` scope (``services.security``)."""
+    if not principal_of(request).may_manage(owner):
+        raise ServiceError(403, f"{what} was {'made by another token' if owner else 'made without a token'}: "
+                                f"{doing} it needs the 'admin' scope")
 
 
 @router.post("/runs", status_code=201, response_model=RunCreated, summary="Start a run")
@@ -155,7 +172,7 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     config = parse_run_config(raw, "config")
     try:  # the model as the rollout servers and the learner will read it (control_plane.model_path)
         config = await asyncio.to_thread(deployed_model, config, body.client_run_dir, state.settings.run_dir,
-                                         state.settings.run_dir_volume)
+                                         state.settings.run_dir_volume, state.settings.model_dirs)
     except ModelNotVisible as e:
         raise ServiceError(422, str(e)) from None
     fleet = state.settings.fleet_model
@@ -183,7 +200,7 @@ async def create_run(body: CreateRun, request: Request) -> RunCreated:
     # stored before the run is visible: a rollout server evaluates version 0 as soon as it sees the run
     await EvalLog(state.redis, Keys(run_id)).store_prompts(held_out)
     try:
-        await state.runs.create(run_id, body.prompt_set_id, config.model_dump(mode="json"))
+        await state.runs.create(run_id, body.prompt_set_id, config.model_dump(mode="json"), principal_of(request).owner)
     except (RunConflict, ValueError):
         await state.redis.delete(Keys(run_id).eval_prompts)  # the run never existed
         await state.trackers.discard(run_id)
@@ -311,7 +328,10 @@ async def run_metrics(
 
 @router.post("/runs/{run_id}/stop", response_model=RunRecord, summary="Stop a queued or running run")
 async def stop_run(run_id: str, request: Request) -> RunRecord:
-    return await _state(request).runs.stop(run_id)
+    """Another token's run needs the ``admin`` scope (403)."""
+    runs = _state(request).runs
+    _may_manage(request, f"run {run_id}", await runs.owner(run_id), "stopping")
+    return await runs.stop(run_id)
 
 
 def _errors(app: FastAPI) -> None:
@@ -361,7 +381,7 @@ def build_app(settings: ControlSettings, config: RunConfig | None = None, *,
         app.state.runs = RunStore(redis)
         app.state.functions = FunctionCheck(settings)
         app.state.prompt_sets = PromptSetStore(redis, settings, app.state.functions)
-        app.state.trackers = TrackerHub(redis, settings.run_dir).start()
+        app.state.trackers = TrackerHub(redis, settings.run_dir, mlflow_uris=settings.mlflow_tracking_uris).start()
         app.state.stalls = StallMonitor(redis).start()  # silent heartbeats become incidents
         try:
             yield

@@ -10,13 +10,20 @@ stores the path as the deployment sees it, before anything is enqueued.
 
 :func:`deployed_model` decides, in this order:
 
-1. ``model.path`` exists here: kept (the local stack: client and services share a disk);
+1. ``model.path`` lies in an allowed folder (the run directory, or one of
+   ``TANDEM_CONTROL_MODEL_DIRS``; symlinks and ``..`` resolved first) and exists here: kept
+   (the local stack: client and services share a disk, and ``tandem up`` allows every folder);
 2. the client named its run directory (``client_run_dir``, ``tandem submit`` sends its
    ``TANDEM_RUN_DIR``) and ``model.path`` lies under it: the same relative path under this
-   control plane's run directory, if it exists (reloading the Modal volume first when it is
-   not there yet: a model uploaded after the control plane's container started);
+   control plane's run directory, if it exists there, still inside it once resolved (reloading
+   the Modal volume first when it is not there yet: a model uploaded after the control plane's
+   container started);
 3. otherwise :class:`ModelNotVisible`, which the control plane answers 422 naming
-   ``model.path``, with the paths it looked at.
+   ``model.path``, with the allowed paths it looked at.
+
+A path outside the allowed folders is never looked at: whoever may submit a run (not only the
+operator) would otherwise learn which paths exist in the control plane's container, and have the
+learner and the rollout servers load a folder of their choosing.
 
 The rollout servers and the learner mount the same run directory as the control plane (Modal,
 docker-compose) or share its disk (``tandem up``), so a path this process sees is theirs too.
@@ -37,29 +44,42 @@ class ModelNotVisible(ValueError):
 
 
 def deployed_model(config: RunConfig, client_run_dir: str | None, run_dir: Path,
-                   volume: str | None = None) -> RunConfig:
+                   volume: str | None = None, model_dirs: list[Path] = ()) -> RunConfig:
     """``config`` with ``model.path`` as the deployment sees it (module docstring); blocking (disk,
-    a volume reload): call it in a thread."""
+    a volume reload): call it in a thread. ``model_dirs``: folders besides ``run_dir`` a model may be in."""
+    root = Path(run_dir).resolve()
+    allowed = [root, *(Path(d).resolve() for d in model_dirs)]
     path = Path(config.model.path)
-    if path.exists():
-        return config
-    looked = [str(path)]
+    looked = []
+    if _inside(path, allowed):
+        if path.exists():
+            return config
+        looked.append(str(path))
     rel = _under(path, client_run_dir)
     if rel is not None:
-        here = (Path(run_dir) / rel).resolve()
-        looked.append(str(here))
-        if not here.exists() and volume:
-            _reload(volume)
-        if here.exists():
-            return config.model_copy(update={"model": config.model.model_copy(update={"path": here})})
+        here = (root / rel).resolve()
+        if here.is_relative_to(root):
+            looked.append(str(here))
+            if not here.exists() and volume:
+                _reload(volume)
+            if here.exists():
+                return config.model_copy(update={"model": config.model.model_copy(update={"path": here})})
     hint = ("" if rel is not None else
             f" (it is not under the submitting client's run directory {client_run_dir}, which mirrors this one)"
             if client_run_dir else " (the client named no run directory to map it from)")
+    where = (f"no model folder at {' nor at '.join(looked)} on the control plane" if looked else
+             f"{path} is outside the control plane's run directory {root} and TANDEM_CONTROL_MODEL_DIRS")
     raise ModelNotVisible(
-        f"model.path: no model folder at {' nor at '.join(looked)} on the control plane{hint}; put the model "
-        f"in the deployment's run directory {run_dir} (on Modal: `modal volume put <volume> <local folder> "
-        "models/<name>`, docs/modal.md), or give a path the services can read"
+        f"model.path: {where}{hint}; put the model in the deployment's run directory {root} (on Modal: "
+        "`modal volume put <volume> <local folder> models/<name>`, docs/modal.md), or give a path the "
+        "services can read under it or under TANDEM_CONTROL_MODEL_DIRS"
     )
+
+
+def _inside(path: Path, folders: list[Path]) -> bool:
+    """``path``, resolved (symlinks, ``..``), lies in one of ``folders`` (resolved already)."""
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(f) for f in folders)
 
 
 def _under(path: Path, client_run_dir: str | None) -> PurePath | None:

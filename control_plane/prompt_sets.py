@@ -134,8 +134,9 @@ class PromptSetStore:
         self.uploading = 0
         self._upload_s = 1.0  # moving average of an upload's time, for Retry-After
 
-    async def upload(self, chunks: AsyncIterable[bytes], default_type: str) -> PromptSetInfo:
-        """Parse ``chunks`` (a request body as it streams) off the event loop, then store the set.
+    async def upload(self, chunks: AsyncIterable[bytes], default_type: str, owner: str | None = None) -> PromptSetInfo:
+        """Parse ``chunks`` (a request body as it streams) off the event loop, then store the set, owned
+        by ``owner`` (``services.security.owner_id``; a set of the same content stored before keeps its owner).
 
         Raises :class:`ServiceError`: 422 naming each bad line and field, 413 when
         the stored form is too large, 507 when every set together would be, 429
@@ -147,12 +148,12 @@ class PromptSetStore:
         self.uploading += 1
         start = time.monotonic()
         try:
-            return await self._upload(chunks, default_type)
+            return await self._upload(chunks, default_type, owner)
         finally:
             self.uploading -= 1
             self._upload_s = 0.8 * self._upload_s + 0.2 * (time.monotonic() - start)
 
-    async def _upload(self, chunks: AsyncIterable[bytes], default_type: str) -> PromptSetInfo:
+    async def _upload(self, chunks: AsyncIterable[bytes], default_type: str, owner: str | None) -> PromptSetInfo:
         parser = StoredLines(default_type, self.settings)
         try:
             async for piece in _batched(chunks, FEED_BYTES):
@@ -163,9 +164,9 @@ class PromptSetStore:
         refused = await self.functions.refusals(parser.functions) if self.functions is not None else []
         if refused:
             raise ServiceError(422, str(LineError(refused)), errors=refused)
-        return await self._store(parser)
+        return await self._store(parser, owner)
 
-    async def _store(self, parsed: StoredLines) -> PromptSetInfo:
+    async def _store(self, parsed: StoredLines, owner: str | None = None) -> PromptSetInfo:
         """Stage the encoded lines, then publish them with the meta in one transaction."""
         set_id = parsed.set_id
         stored = await self.info(set_id)
@@ -178,11 +179,11 @@ class PromptSetStore:
                     pipe.rpush(staging, *parsed.encoded[i : i + PUSH_LINES])
                     pipe.expire(staging, STAGING_TTL_S)
                     await pipe.execute()
-            return await self._publish(parsed, set_id, staging)
+            return await self._publish(parsed, set_id, staging, owner)
         finally:
             await self.redis.delete(staging)  # already renamed when stored; left over on any failure
 
-    async def _publish(self, parsed: StoredLines, set_id: str, staging: str) -> PromptSetInfo:
+    async def _publish(self, parsed: StoredLines, set_id: str, staging: str, owner: str | None) -> PromptSetInfo:
         info = PromptSetInfo(
             id=set_id, count=parsed.count, bytes=parsed.nbytes, created_at=time.time(), reward_types=parsed.types,
             forms=parsed.forms,
@@ -190,7 +191,7 @@ class PromptSetStore:
         meta = {
             "count": info.count, "bytes": info.bytes, "stored": parsed.stored_bytes,
             "created_at": repr(info.created_at), "reward_types": json.dumps(parsed.types),
-            "forms": json.dumps(parsed.forms),
+            "forms": json.dumps(parsed.forms), "owner": owner or "",
         }
         cap = self.settings.max_stored_prompt_set_bytes
         for _attempt in range(20):
@@ -246,6 +247,14 @@ class PromptSetStore:
             id=set_id, count=int(f["count"]), bytes=int(f["bytes"]), created_at=float(f["created_at"]),
             reward_types=json.loads(f["reward_types"]), forms=json.loads(f.get("forms", "{}")),
         )
+
+    async def owner(self, set_id: str) -> str | None:
+        """Who uploaded the set (``services.security.owner_id``); None if no token did, or no such set."""
+        try:
+            owner = await self.redis.hget(prompt_set_meta(check_run_id(set_id)), "owner")
+        except ValueError:
+            return None
+        return owner.decode() if owner else None
 
     async def list(self, limit: int) -> list[PromptSetInfo]:
         """The stored sets' meta, newest first (at most ``limit``)."""

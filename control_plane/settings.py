@@ -45,6 +45,17 @@ class ControlSettings(CommonSettings):
     doubling to 1 s: the default (``broker.streams.RECONNECT_RETRIES``, about 25 s) rides out a Redis
     restarted on its AOF; past them the request is answered 503 with Retry-After
     (TANDEM_CONTROL_REDIS_RETRIES)."""
+    model_dirs: list[Path] = Field(default_factory=list)
+    """Folders besides the run directory that a run's ``model.path`` may lie in (TANDEM_CONTROL_MODEL_DIRS,
+    JSON list; symlinks and ``..`` resolved before the check). Empty (the default): the run directory only,
+    and a path elsewhere gets 422 without being looked at, so a submitter learns nothing of the control
+    plane's disk. ``tandem up`` and ``tandem run`` set ``["/"]`` unless it is set: their one client is the
+    operator, on the same disk."""
+    mlflow_tracking_uris: list[str] = Field(default_factory=list)
+    """MLflow tracking URIs a run's ``logging.mlflow_tracking_uri`` may name (TANDEM_CONTROL_MLFLOW_TRACKING_URIS,
+    JSON list, compared up to a trailing slash). Empty (the default): none, and a run logs to MLflow's SQLite
+    store under its tracker directory; a run naming another URI gets 422 naming the field (its config
+    comes from whoever may submit, and MLflow would connect to any URL or open an SQLite file anywhere)."""
     session_max_age_s: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)
     """Lifetime of the dashboard's read-only session cookie (``GET /?token=T``) in seconds: its
     Max-Age, and the age past which the server refuses it (TANDEM_CONTROL_SESSION_MAX_AGE_S)."""

@@ -40,6 +40,11 @@ tagged with the run id, TensorBoard adds an event file) and goes on from the cur
 ``<dir>/<run_id>.cursor`` (a point logged just before a crash may be logged twice); trackers
 closed after their run ended leave ``<dir>/<run_id>.closed`` and are not opened again.
 
+What a run's config may choose is bounded by the operator: ``logging.dir`` stays under the control
+plane's run directory, and ``logging.mlflow_tracking_uri`` must be one of
+``TANDEM_CONTROL_MLFLOW_TRACKING_URIS`` (422 naming the field otherwise), since whoever may submit a
+run would otherwise choose where the control plane writes and what it connects to.
+
 Files (``logging.dir``, default ``<run dir>/<run_id>/trackers``): ``tensorboard/<run_id>/``
 (event files), ``wandb/`` (W&B's run files; offline runs upload with ``wandb sync``),
 ``mlflow.db`` (MLflow's default store here: SQLite, since MLflow 3 refuses its plain file store
@@ -121,9 +126,29 @@ def group_of(source: str) -> str:
 
 
 def tracker_dir(config: RunConfig, run_dir: Path, run_id: str) -> Path:
-    """Where the run's tracker files go (``logging.dir``, relative to ``run_dir``)."""
+    """Where the run's tracker files go: ``logging.dir`` taken from ``run_dir``, which it must stay
+    under once resolved (symlinks and ``..`` followed); :class:`TrackerError` naming the field if not.
+
+    The run config comes from whoever may submit a run, not only the operator: a directory of their
+    choosing would let them make the control plane create and write files anywhere it can."""
+    root = Path(run_dir).resolve()
     chosen = config.logging.dir
-    return run_dir / run_id / "trackers" if chosen is None else run_dir / chosen  # an absolute one wins
+    where = root / run_id / "trackers" if chosen is None else (root / chosen).resolve()
+    if not where.is_relative_to(root):
+        raise TrackerError(f"logging.dir: {chosen} is outside the control plane's run directory {root}: "
+                           "give a path under it (a relative one is taken from it)")
+    return where
+
+
+def check_mlflow_uri(config: RunConfig, allowed: list[str]) -> None:
+    """Raise :class:`TrackerError` if ``logging.mlflow_tracking_uri`` is set and is not one of
+    ``allowed`` (the operator's ``TANDEM_CONTROL_MLFLOW_TRACKING_URIS``, compared up to a trailing
+    slash): MLflow would send requests to any URL, or open an SQLite file at any path, it names."""
+    uri = config.logging.mlflow_tracking_uri
+    if uri is not None and uri.rstrip("/") not in {u.rstrip("/") for u in allowed}:
+        offered = ", ".join(allowed) if allowed else "none: this control plane allows none"
+        raise TrackerError(f"logging.mlflow_tracking_uri: {uri} is not one of TANDEM_CONTROL_MLFLOW_TRACKING_URIS "
+                           f"({offered}); leave it unset for the SQLite store under logging.dir")
 
 
 # -- the trackers ---------------------------------------------------------------------------------
@@ -261,9 +286,11 @@ class MLflow(Tracker):
             self.client.set_terminated(self.run_id, self.STATUS[state])
 
 
-def open_trackers(config: RunConfig, run_id: str, root: Path) -> list[Tracker]:
+def open_trackers(config: RunConfig, run_id: str, root: Path, mlflow_uris: list[str]) -> list[Tracker]:
     """Start each tracker ``config.logging`` names (blocking). Raises :class:`TrackerError` naming the
-    one that could not start, after closing those already started."""
+    one that could not start, after closing those already started, or an MLflow URI that is not one of
+    ``mlflow_uris`` (:func:`check_mlflow_uri`)."""
+    check_mlflow_uri(config, mlflow_uris)
     preflight(config)
     cfg = config.logging
     raw = config.model_dump(mode="json")
@@ -315,10 +342,11 @@ class Following:
 class TrackerHub:
     """The control plane's follower of the active run's metrics into its trackers (module docstring)."""
 
-    def __init__(self, redis, run_dir: Path, *, poll_s: float = 1.0) -> None:
+    def __init__(self, redis, run_dir: Path, *, mlflow_uris: list[str] = (), poll_s: float = 1.0) -> None:
         self.redis = redis
         self.runs = RunStore(redis)
         self.run_dir = Path(run_dir)
+        self.mlflow_uris = list(mlflow_uris)
         self.poll_s = poll_s
         self.current: Following | None = None
         self._opened: dict[str, Following] = {}  # by POST /v1/runs, not yet picked up by the loop
@@ -332,9 +360,9 @@ class TrackerHub:
         active = await self.runs.active()
         if active is not None:
             raise ServiceError(409, f"run {active.run_id} is {active.state}: one run at a time; stop it first")
-        root = tracker_dir(config, self.run_dir, run_id)
         try:
-            trackers = await asyncio.to_thread(open_trackers, config, run_id, root)
+            root = tracker_dir(config, self.run_dir, run_id)
+            trackers = await asyncio.to_thread(open_trackers, config, run_id, root, self.mlflow_uris)
         except TrackerError as e:
             raise ServiceError(422, str(e)) from None
         self._opened[run_id] = Following(run_id, config, root, trackers)
@@ -416,12 +444,15 @@ class TrackerHub:
         if run_id in self._opened:
             return self._opened.pop(run_id)
         config = parse_run_config(raw_config, f"run {run_id}")
-        root = tracker_dir(config, self.run_dir, run_id)
-        if not config.logging.trackers or (root / f"{run_id}.closed").exists():
+        if not config.logging.trackers:
             self._skipped.add(run_id)
             return None
-        try:
-            trackers = await asyncio.to_thread(open_trackers, config, run_id, root)
+        try:  # the settings may have changed since the run was created: checked again
+            root = tracker_dir(config, self.run_dir, run_id)
+            if (root / f"{run_id}.closed").exists():
+                self._skipped.add(run_id)
+                return None
+            trackers = await asyncio.to_thread(open_trackers, config, run_id, root, self.mlflow_uris)
         except TrackerError as e:
             self._skipped.add(run_id)
             await self._report(run_id, "all trackers", str(e), "the run goes on without its trackers")

@@ -187,8 +187,10 @@ class ModalDeploy(BaseModel):
     in every role but the reward server's."""
     secret: str = "tandem"
     """Modal Secret of every role but the reward server: ``TANDEM_TOKEN``, ``REDIS_URL`` (an external
-    Redis), and the reward server's token for its callers, ``TANDEM_ROLLOUT_REWARD_TOKEN`` and
-    ``TANDEM_CONTROL_REWARD_TOKEN``."""
+    Redis), the reward server's token for its callers, ``TANDEM_ROLLOUT_REWARD_TOKEN`` and
+    ``TANDEM_CONTROL_REWARD_TOKEN``, and ``TANDEM_OPENAI_TOKEN``, the key of the rollout servers'
+    OpenAI-compatible endpoint (scope ``infer`` only: a client given it cannot submit, stop or read
+    runs, nor load weights, as it could with the master token)."""
     reward_secret: str = "tandem-reward"
     """Modal Secret of the reward server alone: its own ``TANDEM_TOKEN`` (the value of the reward tokens
     above), so the container that runs model-written code holds neither the master token nor Redis."""
@@ -309,7 +311,8 @@ def role_options(plan: ModalDeploy, role: str) -> dict:
 
 
 SECRET_KEYS = {
-    "shared": ["TANDEM_TOKEN", "REDIS_URL", "TANDEM_ROLLOUT_REWARD_TOKEN", "TANDEM_CONTROL_REWARD_TOKEN"],
+    "shared": ["TANDEM_TOKEN", "REDIS_URL", "TANDEM_ROLLOUT_REWARD_TOKEN", "TANDEM_CONTROL_REWARD_TOKEN",
+               "TANDEM_OPENAI_TOKEN"],
     "reward": ["TANDEM_TOKEN"],
 }
 """The keys each Modal Secret must hold (checked by Modal when a container starts)."""

@@ -197,6 +197,9 @@ class Stack:
             # other stack has this id (each holds its run directory's lock)
             "TANDEM_LEARNER_HOLDER": f"{socket.gethostname()}:stack:{self.run_dir}",
         })
+        # the stack's one client is the operator, on this disk: a model may be in any folder (unless the
+        # caller's environment narrows it; a deployed control plane allows its run directory only)
+        env.setdefault("TANDEM_CONTROL_MODEL_DIRS", '["/"]')
         if "reward" in ports:
             env["TANDEM_ROLLOUT_REWARD_URL"] = f"http://127.0.0.1:{ports['reward']}"
             env["TANDEM_CONTROL_REWARD_URL"] = env["TANDEM_ROLLOUT_REWARD_URL"]  # /v1/check at upload

@@ -77,7 +77,7 @@ def create_app(
     """
     settings.check_auth_safe()
     token = settings.token.get_secret_value() if settings.token else None
-    auth = Auth(token, settings.tokens, cookie_login_path, session_max_age_s)
+    auth = Auth(token, settings.scoped_tokens(), cookie_login_path, session_max_age_s)
     # FastAPI's own /openapi.json and /docs are plain routes that no dependency guards:
     # they are turned off here and served below as routes behind ``auth``.
     app = FastAPI(

@@ -371,7 +371,7 @@ class LoggingConfig(Section):
     dir: Path | None = None
     """Where the trackers' local files go: TensorBoard's event files, W&B's run files, MLflow's
     file store. Default ``<run dir>/<run id>/trackers``; a relative path is taken from the
-    control plane's run directory."""
+    control plane's run directory, and the path must stay under it (else ``POST /v1/runs`` answers 422)."""
     project: str | None = None
     """W&B project and MLflow experiment name (default: the run config's ``name``)."""
     wandb_entity: str | None = None
@@ -379,7 +379,8 @@ class LoggingConfig(Section):
     wandb_mode: Literal["online", "offline"] | None = None
     """W&B mode (default: ``WANDB_MODE`` in the control plane's environment, else W&B's own)."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI (default: a file store under ``dir``, ``<dir>/mlflow``)."""
+    """MLflow tracking URI: one of the control plane's ``TANDEM_CONTROL_MLFLOW_TRACKING_URIS`` (else
+    ``POST /v1/runs`` answers 422). Default: an SQLite store under ``dir``, ``<dir>/mlflow.db``."""
     close_after_s: float = Field(default=300.0, ge=0)
     """A run that ended keeps its trackers open this long after its last metric point (the main
     job's final evaluation comes after the learner finishes), or until another run starts or the

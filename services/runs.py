@@ -187,8 +187,9 @@ class RunStore:
         self._set_state = redis.register_script(_SET_STATE)
         self._update = redis.register_script(_UPDATE)
 
-    async def create(self, run_id: str, prompt_set_id: str, config: dict) -> RunRecord:
-        """Register a ``queued`` run and make it the active one, atomically.
+    async def create(self, run_id: str, prompt_set_id: str, config: dict, owner: str | None = None) -> RunRecord:
+        """Register a ``queued`` run and make it the active one, atomically; ``owner``: who created it
+        (``services.security.owner_id``, kept beside the record: :meth:`owner`).
 
         Raises :class:`RunConflict` while another run is queued or running,
         ``ValueError`` if ``run_id`` is taken or not a valid id.
@@ -200,7 +201,7 @@ class RunStore:
         fields = {
             "run_id": run_id, "state": "queued", "prompt_set_id": prompt_set_id,
             "config": json.dumps(config), "created_at": repr(record.created_at),
-            "started_at": "", "finished_at": "", "error": "", "step": 0, "policy_version": 0,
+            "started_at": "", "finished_at": "", "error": "", "step": 0, "policy_version": 0, "owner": owner or "",
         }
         for _attempt in range(50):
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -230,6 +231,17 @@ class RunStore:
         if not raw:
             raise UnknownRun(run_id)
         return _record(raw)
+
+    async def owner(self, run_id: str) -> str | None:
+        """Who created the run (:meth:`create`'s ``owner``), or None; raises :class:`UnknownRun`."""
+        key = _state_key(run_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(key)
+            pipe.hget(key, "owner")
+            exists, owner = await pipe.execute()
+        if not exists:
+            raise UnknownRun(run_id)
+        return owner.decode() if owner else None
 
     async def list(self, limit: int = 100) -> list[RunRecord]:
         """Runs, newest first."""

@@ -7,9 +7,12 @@
   token, ``APIKeyCookie`` for a read-only browser session that only the
   app with a ``cookie_login_path`` (the control plane) issues and accepts,
   with an expiry; constant-time comparison; 401 with ``WWW-Authenticate``
-  when missing or wrong; scoped extra tokens from ``settings.tokens``, 403
-  when the scope is missing. ``/openapi.json`` and ``/docs`` are served
-  behind it too. Tokens shorter than ``MIN_TOKEN_CHARS`` stop the start-up;
+  when missing or wrong; scoped extra tokens from ``settings.tokens`` (and
+  ``settings.openai_token``, scope ``infer``), 403 when the route's scope is
+  missing (:data:`SCOPES`, :data:`ROUTE_SCOPES`); the request's
+  :class:`Principal` (who owns what it makes) for the routes.
+  ``/openapi.json`` and ``/docs`` are served behind it too. Tokens shorter
+  than ``MIN_TOKEN_CHARS`` stop the start-up;
 - a guard against web pages in the operator's browser (:class:`BrowserGuard`,
   plain ASGI, before auth): a ``Host`` allow-list (always with auth off, so
   a DNS-rebound page gets 403; with auth on when ``allowed_hosts`` is set),
@@ -28,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from dataclasses import dataclass
 from typing import Annotated, NoReturn
 from urllib.parse import urlencode
 
@@ -50,7 +54,31 @@ def _json(status: int, body: dict, headers: dict[str, str] | None = None) -> JSO
     return JSONResponse(status_code=status, content=body, headers=headers)
 
 
-SCOPES = frozenset({"read", "write"})
+SCOPES = frozenset({"read", "submit", "infer", "admin"})
+"""What a token may do. ``read``: every GET/HEAD/OPTIONS route. ``submit``: upload prompt sets and
+start runs, and delete or stop those it made itself (the control plane's routes in
+:data:`ROUTE_SCOPES`). ``infer``: the rollout server's inference routes (the OpenAI-compatible
+endpoint's key, ``TANDEM_OPENAI_TOKEN``). ``admin``: everything, other tokens' prompt sets and runs
+included, and every other state-changing route (loading weights, scoring, running code in the
+sandbox): what ``TANDEM_TOKEN`` holds."""
+LEGACY_SCOPES = {"write": frozenset({"submit", "infer"})}
+"""Scope names of ``TANDEM_TOKENS`` from before :data:`SCOPES`, and what they now grant: ``write``
+opened every state-changing route; it keeps what a user does with it, never another's runs."""
+ROUTE_SCOPES: dict[str, frozenset[str]] = {
+    # the control plane: what a submitter does (control_plane.app checks the owner of what is deleted or stopped)
+    "POST /v1/prompt-sets": frozenset({"submit"}),
+    "DELETE /v1/prompt-sets/{set_id}": frozenset({"submit"}),
+    "POST /v1/runs": frozenset({"submit"}),
+    "POST /v1/runs/{run_id}/stop": frozenset({"submit"}),
+    # the rollout server's inference routes (rollout_server.api, rollout_server.openai_api)
+    "POST /v1/generate": frozenset({"infer"}),
+    "POST /v1/chat/completions": frozenset({"infer"}),
+    "POST /v1/completions": frozenset({"infer"}),
+    "POST /inference/v1/generate": frozenset({"infer"}),
+    "GET /v1/models": frozenset({"read", "infer"}),
+}
+"""``METHOD /route/{param}`` -> the scopes that open it, beside ``admin``. Any other route needs
+``read`` for GET/HEAD/OPTIONS and ``admin`` otherwise."""
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 SESSION_COOKIE = "tandem_session"
 
@@ -60,9 +88,49 @@ session_scheme = APIKeyCookie(
 )
 
 
-def required_scope(method: str) -> str:
-    """``read`` for safe methods, ``write`` for everything else."""
-    return "read" if method in SAFE_METHODS else "write"
+def granted(scopes) -> frozenset[str]:
+    """What a token configured with ``scopes`` may do: :data:`LEGACY_SCOPES` translated, and ``admin``
+    holding every scope."""
+    out = set()
+    for scope in scopes:
+        out |= LEGACY_SCOPES.get(scope, {scope})
+    return SCOPES if "admin" in out else frozenset(out) & SCOPES
+
+
+def opening_scopes(method: str, route: str) -> frozenset[str]:
+    """The scopes that open ``method route`` (``route`` as declared, ``/v1/runs/{run_id}/stop``)."""
+    opened = ROUTE_SCOPES.get(f"{method} {route}")
+    if opened is None:
+        opened = frozenset({"read"}) if method in SAFE_METHODS else frozenset()
+    return opened | {"admin"}
+
+
+def owner_id(token: str) -> str:
+    """Who owns what a token makes, as stored beside it: a digest of the token, never the token."""
+    return hashlib.sha256(f"tandem-owner|{token}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who made a request: ``owner`` (:func:`owner_id` of its bearer token; None with auth off or a
+    session cookie) and the scopes it holds."""
+
+    owner: str | None
+    scopes: frozenset[str]
+
+    def may_manage(self, owner: str | None) -> bool:
+        """True for ``admin``, or for the token that made it (something made with auth off, or before
+        owners were recorded, has no owner: ``admin`` only)."""
+        return "admin" in self.scopes or (owner is not None and owner == self.owner)
+
+
+OPERATOR = Principal(None, SCOPES)
+"""The principal of every request to a service with auth off (loopback only): the operator."""
+
+
+def principal_of(request: Request) -> Principal:
+    """The request's :class:`Principal`, as :class:`Auth` found it (:data:`OPERATOR` with auth off)."""
+    return getattr(request.state, "principal", OPERATOR)
 
 
 def session_cookie_value(token: str, issued_at: int) -> str:
@@ -74,12 +142,12 @@ def session_cookie_value(token: str, issued_at: int) -> str:
     return f"{issued_at}.{mac}"
 
 
-def _match(given: bytes, table: list[tuple[bytes, frozenset[str]]]) -> frozenset[str] | None:
-    """Scopes of the entry equal to ``given``; compares against every entry (constant time)."""
+def _match(given: bytes, table: list[tuple[bytes, Principal]]) -> Principal | None:
+    """The principal of the entry equal to ``given``; compares against every entry (constant time)."""
     found = None
-    for secret, scopes in table:
+    for secret, who in table:
         if hmac.compare_digest(given, secret):
-            found = scopes
+            found = who
     return found
 
 
@@ -101,8 +169,9 @@ class Auth:
     """The app-wide security dependency: who may call which route.
 
     Credentials: ``Authorization: Bearer <token>`` with ``token`` (every
-    scope) or one of ``tokens`` (its scopes); a route needs ``read`` for
-    GET/HEAD/OPTIONS and ``write`` otherwise (403 without it). With
+    scope) or one of ``tokens`` (its scopes, :func:`granted`); a route needs
+    one of :func:`opening_scopes` (403 without it). The request's
+    :class:`Principal` is left in ``request.state.principal``. With
     ``cookie_login_path``, ``GET <path>?token=T`` sets an HttpOnly,
     SameSite=Strict session cookie (Max-Age ``session_max_age_s``) and
     redirects to the same URL without the token; the cookie authorizes safe
@@ -125,32 +194,32 @@ class Auth:
         cookie_login_path: str | None = None,
         session_max_age_s: int = 12 * 3600,
     ) -> None:
-        self.bearers: list[tuple[bytes, frozenset[str]]] = []
+        self.bearers: list[tuple[bytes, Principal]] = []
         if token:
-            self.bearers.append((token.encode(), SCOPES))
+            self.bearers.append((token.encode(), Principal(owner_id(token), SCOPES)))
         for extra, scopes in (tokens or {}).items():
-            self.bearers.append((extra.encode(), frozenset(scopes) & SCOPES))
+            self.bearers.append((extra.encode(), Principal(owner_id(extra), granted(scopes))))
         self.cookie_login_path = cookie_login_path
         self.session_max_age_s = session_max_age_s
 
-    def _cookie_scopes(self, cookie: str) -> tuple[frozenset[str] | None, str]:
-        """Scopes of a session cookie (``read`` at most) and the problem when there are none."""
+    def _cookie_principal(self, cookie: str) -> tuple[Principal | None, str]:
+        """The principal of a session cookie (``read`` at most, no owner) and the problem when there is none."""
         issued, _, _mac = cookie.partition(".")
         if not issued.isdigit() or len(issued) > 12:
             return None, "invalid session cookie"
         age = time.time() - int(issued)
         if not -60 <= age <= self.session_max_age_s:  # a minute of clock skew
             return None, "session cookie expired: sign in again with ?token="
-        table = [(session_cookie_value(t.decode(), int(issued)).encode(), s & {"read"}) for t, s in self.bearers]
-        scopes = _match(cookie.encode("latin-1"), table)
-        return scopes, "invalid session cookie"
+        table = [(session_cookie_value(t.decode(), int(issued)).encode(), Principal(None, who.scopes & {"read"}))
+                 for t, who in self.bearers]
+        return _match(cookie.encode("latin-1"), table), "invalid session cookie"
 
     def _sign_in(self, request: Request, token: str) -> NoReturn:
         """Answer ``GET <login path>?token=T``: a redirect that sets the cookie, or 401/403."""
-        scopes = _match(token.encode(), self.bearers)
-        if scopes is None:
+        who = _match(token.encode(), self.bearers)
+        if who is None:
             raise _unauthorized("invalid token")
-        if "read" not in scopes:
+        if "read" not in who.scopes:
             raise HTTPException(403, "this token lacks the 'read' scope")
         rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
         cookie = session_cookie_value(token, int(time.time()))
@@ -174,17 +243,20 @@ class Auth:
             session = None  # a cookie never authorizes a write, nor opens a service that issues none
         if bearer is not None:
             # Starlette decodes headers as latin-1: this gives back the bytes sent
-            scopes = _match(bearer.credentials.encode("latin-1"), self.bearers)
+            who = _match(bearer.credentials.encode("latin-1"), self.bearers)
             problem = "invalid bearer token"
         elif session:
-            scopes, problem = self._cookie_scopes(session)
+            who, problem = self._cookie_principal(session)
         else:
-            scopes, problem = None, "missing bearer token"
-        if scopes is None:
+            who, problem = None, "missing bearer token"
+        if who is None:
             raise _unauthorized(problem)
-        need = required_scope(method)
-        if need not in scopes:
-            raise HTTPException(403, f"this token lacks the '{need}' scope")
+        route = getattr(request.scope.get("route"), "path", path)  # as declared: /v1/runs/{run_id}/stop
+        opening = opening_scopes(method, route)
+        if not who.scopes & opening:
+            need = " or ".join(f"'{s}'" for s in sorted(opening - {"admin"}) or ["admin"])
+            raise HTTPException(403, f"this token lacks the {need} scope")
+        request.state.principal = who
 
 
 class _TooLarge(Exception):

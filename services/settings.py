@@ -6,7 +6,7 @@ environment check). Each class reads its own environment variables:
 
 | class | process | variables |
 |---|---|---|
-| :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``TANDEM_ALLOWED_HOSTS``, ``REDIS_URL`` |
+| :class:`CommonSettings` | every service | ``TANDEM_TOKEN``, ``TANDEM_TOKENS``, ``TANDEM_OPENAI_TOKEN``, ``TANDEM_HOST``, ``TANDEM_PORT``, ``TANDEM_LOG_LEVEL``, ``TANDEM_MAX_BODY_BYTES``, ``TANDEM_RUN_DIR``, ``TANDEM_ALLOWED_HOSTS``, ``REDIS_URL`` |
 | :class:`WorkerSettings` | what a rollout server and the learner share | ``TANDEM_RUN_ID``, ``TANDEM_SERVER_ID`` |
 | ``ControlSettings`` | control plane (``control_plane.settings``) | ``TANDEM_CONTROL_*`` |
 | ``RolloutSettings`` | rollout server (``rollout_server.settings``) | ``TANDEM_ROLLOUT_*`` |
@@ -76,10 +76,16 @@ class CommonSettings(BaseSettings):
     token: SecretStr | None = Field(default=None, validation_alias="TANDEM_TOKEN")
     """Bearer token every route except /healthz requires (TANDEM_TOKEN). Unset: auth is off,
     allowed only on a loopback address."""
-    tokens: dict[str, list[Literal["read", "write"]]] = Field(
+    tokens: dict[str, list[Literal["read", "submit", "infer", "admin", "write"]]] = Field(
         default_factory=dict, repr=False, validation_alias="TANDEM_TOKENS")
-    """Extra bearer tokens with scopes (TANDEM_TOKENS, JSON: {"token": ["read"]}). "read" allows
-    GET/HEAD, "write" every other method; a token lacking the scope gets 403. TANDEM_TOKEN has both."""
+    """Extra bearer tokens with scopes (TANDEM_TOKENS, JSON: {"token": ["read", "submit"]}). "read"
+    allows GET/HEAD; "submit" uploading prompt sets and starting runs, and deleting or stopping those the
+    same token made; "infer" the rollout server's inference routes (/v1/generate, the OpenAI-compatible
+    ones); "admin" everything, others' prompt sets and runs included. "write", the old name, now means
+    "submit" and "infer". A token lacking the scope gets 403. TANDEM_TOKEN has every scope."""
+    openai_token: SecretStr | None = Field(default=None, validation_alias="TANDEM_OPENAI_TOKEN")
+    """Bearer token with the "infer" scope only (TANDEM_OPENAI_TOKEN): the OpenAI-compatible endpoint's
+    key (the OpenAI client's `api_key`), which cannot submit, stop or read runs, nor load weights."""
     host: str = Field(default="127.0.0.1", validation_alias="TANDEM_HOST")
     """Address to listen on (TANDEM_HOST; `tandem serve --host` wins)."""
     port: int = Field(default=8000, ge=0, le=65535, validation_alias="TANDEM_PORT")
@@ -111,7 +117,7 @@ class CommonSettings(BaseSettings):
     @property
     def auth_on(self) -> bool:
         """True when a token is configured (an empty TANDEM_TOKEN counts as none)."""
-        return bool(self.token and self.token.get_secret_value()) or bool(self.tokens)
+        return bool(self.token and self.token.get_secret_value()) or bool(self.tokens) or self.openai_token is not None
 
     def check_auth_safe(self) -> None:
         """Refuse a short token (:meth:`check_tokens`), and to listen beyond loopback without one
@@ -139,6 +145,14 @@ class CommonSettings(BaseSettings):
         short = [i for i, t in enumerate(self.tokens) if len(t) < MIN_TOKEN_CHARS]
         if short:
             raise ValueError(f"TANDEM_TOKENS: token #{short[0]} is shorter than {MIN_TOKEN_CHARS} characters")
+        if self.openai_token is not None and len(self.openai_token.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"TANDEM_OPENAI_TOKEN is shorter than {MIN_TOKEN_CHARS} characters")
+
+    def scoped_tokens(self) -> dict[str, list[str]]:
+        """``tokens`` with ``openai_token`` added under the ``infer`` scope (what ``services.app`` accepts
+        beside ``token``)."""
+        extra = {self.openai_token.get_secret_value(): ["infer"]} if self.openai_token is not None else {}
+        return {**self.tokens, **extra}
 
     def masked(self) -> dict[str, Any]:
         """The effective settings as JSON-able values, secrets (tokens, keys, passwords in URLs) masked."""

@@ -36,7 +36,7 @@ async def test_401_without_a_valid_token(control, snapshot, headers):
 async def test_403_for_a_token_without_the_scope(control, snapshot):
     before = await snapshot(control.redis)
     r = await control.upload(ARITH_LINES, token=READ_TOKEN)
-    assert r.status_code == 403 and "'write' scope" in r.json()["detail"]
+    assert r.status_code == 403 and "'submit' scope" in r.json()["detail"]
     r = await control.client.post("/v1/runs/x/stop", headers=control.auth(READ_TOKEN))
     assert r.status_code == 403
     r = await control.client.get("/v1/runs", headers=control.auth(WRITE_TOKEN))

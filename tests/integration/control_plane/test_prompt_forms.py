@@ -119,7 +119,8 @@ async def test_an_unknown_placeholder_is_422_naming_the_line_and_field(control, 
 
 
 async def test_prompt_sets_are_listed_shown_and_deleted_with_auth(control):
-    first, second = await _upload(control, MESSAGES), await _upload(control, TEMPLATED)
+    first = (await control.upload(MESSAGES, token=WRITE_TOKEN)).json()["id"]  # the write token's own
+    second = await _upload(control, TEMPLATED)  # the operator's
     read, write = control.auth(READ_TOKEN), control.auth(WRITE_TOKEN)
     listed = await control.client.get("/v1/prompt-sets", headers=read)
     assert listed.status_code == 200, listed.text
@@ -132,6 +133,7 @@ async def test_prompt_sets_are_listed_shown_and_deleted_with_auth(control):
     assert (await control.client.delete(f"/v1/prompt-sets/{first}", headers=read)).status_code == 403
     assert (await control.client.delete(f"/v1/prompt-sets/{first}")).status_code == 401
 
+    assert (await control.client.delete(f"/v1/prompt-sets/{second}", headers=write)).status_code == 403  # not its own
     gone = await control.client.delete(f"/v1/prompt-sets/{first}", headers=write)
     assert gone.status_code == 200 and gone.json()["id"] == first
     assert (await control.client.delete(f"/v1/prompt-sets/{first}", headers=write)).status_code == 404

@@ -30,15 +30,15 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 class ControlPlane:
     """The control plane app with its lifespan run (``async with``), an ASGI client; restartable."""
 
-    def __init__(self, url: str, run_dir: Path) -> None:
-        self.url, self.run_dir = url, run_dir
+    def __init__(self, url: str, run_dir: Path, **settings) -> None:
+        self.url, self.run_dir, self.settings = url, run_dir, settings
 
     async def __aenter__(self):
         import httpx
 
         from control_plane import build_app
 
-        self.app = build_app(control_settings(self.url, self.run_dir))
+        self.app = build_app(control_settings(self.url, self.run_dir, **self.settings))
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://control")
@@ -218,10 +218,11 @@ async def test_trackers_log_the_config_and_every_metric_point_across_a_control_p
 async def test_a_tracker_that_cannot_start_fails_the_creation_and_no_run_exists(
         control_db_url, control_redis, tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    async with ControlPlane(control_db_url, tmp_path) as control:
+    file_store = (tmp_path / "mlruns").as_uri()
+    async with ControlPlane(control_db_url, tmp_path, mlflow_tracking_uris=[file_store]) as control:
         # a bad setting: MLflow 3 refuses its plain file store; TensorBoard, started first, is closed again
         status, body = await control.create({"trackers": ["tensorboard", "mlflow"],
-                                             "mlflow_tracking_uri": (tmp_path / "mlruns").as_uri()})
+                                             "mlflow_tracking_uri": file_store})
         assert status == 422 and "logging.trackers: mlflow cannot start" in body["detail"], body
         # a library that is not there (the import system marks the module unavailable)
         monkeypatch.setitem(sys.modules, "wandb", None)

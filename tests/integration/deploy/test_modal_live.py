@@ -42,9 +42,11 @@ APP = "tandem-arith"
 WALKTHROUGH = [
     "export TANDEM_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')",
     "export REWARD_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')",
+    "export TANDEM_OPENAI_TOKEN=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')",
     "export REDIS_URL='rediss://default:<password>@<host>:6379'",
     '.venv/bin/modal secret create --force tandem TANDEM_TOKEN="$TANDEM_TOKEN" REDIS_URL="$REDIS_URL" '
-    'TANDEM_ROLLOUT_REWARD_TOKEN="$REWARD_TOKEN" TANDEM_CONTROL_REWARD_TOKEN="$REWARD_TOKEN"',
+    'TANDEM_ROLLOUT_REWARD_TOKEN="$REWARD_TOKEN" TANDEM_CONTROL_REWARD_TOKEN="$REWARD_TOKEN" '
+    'TANDEM_OPENAI_TOKEN="$TANDEM_OPENAI_TOKEN"',
     '.venv/bin/modal secret create --force tandem-reward TANDEM_TOKEN="$REWARD_TOKEN"',
     ".venv/bin/modal volume create tandem-runs || true",
     ".venv/bin/tandem bootstrap-model --out /tmp/tandem-arith-model",

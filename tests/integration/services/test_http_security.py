@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from services.security import CLIENT_HEADER, session_cookie_value
-from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config
+from tests.fixtures.control import ARITH_LINES, NO_MODEL, READ_TOKEN, TOKEN, run_config
 from tests.servers import uvicorn_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -45,7 +45,8 @@ def serve_open_control(control_db_url, control_redis, tmp_path):
     @contextlib.asynccontextmanager
     async def serve(**kw):
         port = free_port()
-        app = build_app(ControlSettings(redis_url=control_db_url, run_dir=tmp_path, port=port, **kw))
+        app = build_app(ControlSettings(redis_url=control_db_url, run_dir=tmp_path, port=port,
+                                        model_dirs=[NO_MODEL], **kw))  # run_config()'s model, outside tmp_path
         async with uvicorn_server(app, port):
             yield f"http://127.0.0.1:{port}"
 

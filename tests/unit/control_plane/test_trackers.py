@@ -10,7 +10,15 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from control_plane.trackers import TRACKERS, TrackerError, flatten, group_of, preflight, tracker_dir
+from control_plane.trackers import (
+    TRACKERS,
+    TrackerError,
+    check_mlflow_uri,
+    flatten,
+    group_of,
+    preflight,
+    tracker_dir,
+)
 from deploy.cli import app
 from services.config import ConfigError, parse_run_config
 from tests.fixtures.control import run_config
@@ -41,13 +49,28 @@ def test_logging_section_is_checked_at_load():
         parse_run_config(run_config(publish={"keep_best": 1}))
 
 
-def test_tracker_files_go_under_the_run_directory_unless_told(tmp_path):
+def test_tracker_files_go_under_the_run_directory_and_never_outside(tmp_path):
+    root = tmp_path.resolve()
     cfg = parse_run_config(run_config())
-    assert tracker_dir(cfg, tmp_path, "r1") == tmp_path / "r1" / "trackers"
+    assert tracker_dir(cfg, tmp_path, "r1") == root / "r1" / "trackers"
     cfg = parse_run_config(run_config(logging={"dir": "shared"}))
-    assert tracker_dir(cfg, tmp_path, "r1") == tmp_path / "shared"
-    cfg = parse_run_config(run_config(logging={"dir": "/data/trackers"}))
-    assert str(tracker_dir(cfg, tmp_path, "r1")) == "/data/trackers"
+    assert tracker_dir(cfg, tmp_path, "r1") == root / "shared"
+    cfg = parse_run_config(run_config(logging={"dir": str(root / "a" / "b")}))  # absolute, under it
+    assert tracker_dir(cfg, tmp_path, "r1") == root / "a" / "b"
+    (tmp_path / "link").symlink_to("/etc")
+    for outside in ("/data/trackers", "../elsewhere", "a/../../elsewhere", "link/x"):
+        cfg = parse_run_config(run_config(logging={"dir": outside}))
+        with pytest.raises(TrackerError, match="logging.dir: .* is outside the control plane's run directory"):
+            tracker_dir(cfg, tmp_path, "r1")
+
+
+def test_an_mlflow_uri_must_be_one_the_operator_listed():
+    cfg = parse_run_config(run_config(logging={"mlflow_tracking_uri": "http://mlflow:5000/"}))
+    check_mlflow_uri(cfg, ["http://mlflow:5000"])  # up to a trailing slash
+    for allowed in ([], ["http://mlflow:5001"]):
+        with pytest.raises(TrackerError, match="logging.mlflow_tracking_uri: http://mlflow:5000/ is not one of"):
+            check_mlflow_uri(cfg, allowed)
+    check_mlflow_uri(parse_run_config(run_config()), [])  # unset: the local store, always allowed
 
 
 def test_a_tracker_library_that_is_not_installed_stops_tandem_run_before_anything_starts(tmp_path, monkeypatch):

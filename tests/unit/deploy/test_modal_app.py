@@ -208,7 +208,8 @@ def test_the_reward_server_gets_its_own_token_and_neither_redis_nor_the_run_volu
 
     monkeypatch.setattr(modal.Secret, "from_name", from_name_recorder_mock)
     module, _ = load_app(monkeypatch, tmp_path, None)
-    shared = ("tandem", ["TANDEM_TOKEN", "REDIS_URL", "TANDEM_ROLLOUT_REWARD_TOKEN", "TANDEM_CONTROL_REWARD_TOKEN"])
+    shared = ("tandem", ["TANDEM_TOKEN", "REDIS_URL", "TANDEM_ROLLOUT_REWARD_TOKEN", "TANDEM_CONTROL_REWARD_TOKEN",
+                         "TANDEM_OPENAI_TOKEN"])
     # in definition order: control, reward, rollout, learner, autoscale
     assert seen == [shared, ("tandem-reward", ["TANDEM_TOKEN"]), shared, shared, shared]
     reward = module.reward.info()
@@ -222,6 +223,22 @@ def test_the_reward_server_gets_its_own_token_and_neither_redis_nor_the_run_volu
 
     known = set().union(*(env_names(c) for c in settings_classes().values()))
     assert set(shared[1]) <= known
+
+
+def test_the_openai_endpoint_has_a_key_of_its_own_with_the_infer_scope_only(monkeypatch):
+    """The rollout containers' OpenAI-compatible endpoint takes TANDEM_OPENAI_TOKEN from the Secret
+    `tandem`, a key that opens inference only (services.security). Before: its api_key was the master
+    token, which also submits, stops and deletes runs and loads weights."""
+    from rollout_server.settings import RolloutSettings
+    from services.security import granted
+
+    name, keys = role_secret(ModalDeploy(), "rollout")
+    assert name == ModalDeploy().secret and "TANDEM_OPENAI_TOKEN" in keys
+    master, key = "m" * 32, "k" * 32
+    monkeypatch.setenv("TANDEM_TOKEN", master)  # what the container reads from the Secret
+    monkeypatch.setenv("TANDEM_OPENAI_TOKEN", key)
+    settings = RolloutSettings()
+    assert settings.scoped_tokens() == {key: ["infer"]} and granted(["infer"]) == {"infer"}
 
 
 def _mounted_files(spy_calls: list[tuple[str, tuple, dict]]) -> set[str]:

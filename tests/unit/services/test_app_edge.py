@@ -15,13 +15,15 @@ from fastapi import Request
 
 from control_plane.settings import ControlSettings
 from services.app import create_app
-from services.security import CLIENT_HEADER, session_cookie_value
+from services.security import CLIENT_HEADER, owner_id, principal_of, session_cookie_value
 
 # services.settings.MIN_TOKEN_CHARS: 16
 SECRET = "edge-test-secret-token"
 VIEWER = "edge-test-viewer-token"
 WRITER = "edge-test-writer-token"
 OPS = "edge-test-operator-token"
+SUBMITTER = "edge-test-submitter-token"
+OPENAI = "edge-test-openai-key-token"
 
 
 def client_for(settings: ControlSettings, base_url: str = "http://edge", **kw) -> httpx.AsyncClient:
@@ -39,7 +41,17 @@ def client_for(settings: ControlSettings, base_url: str = "http://edge", **kw) -
     async def _upload(request: Request) -> dict:
         return {"bytes": len(await request.body())}
 
+    for method, route in ROUTES:  # routes that services.security.ROUTE_SCOPES names
+        app.add_api_route(route, _who, methods=[method])
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=base_url)
+
+
+ROUTES = [("POST", "/v1/runs/{run_id}/stop"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+
+
+async def _who(request: Request) -> dict:
+    who = principal_of(request)
+    return {"owner": who.owner, "scopes": sorted(who.scopes)}
 
 
 async def test_single_token_behaviour_is_unchanged():
@@ -67,20 +79,43 @@ def test_scoped_tokens_come_from_the_environment_and_count_as_auth(monkeypatch):
     assert settings.tokens == {VIEWER: ["read"], OPS: ["read", "write"]}
     settings.check_auth_safe()  # scoped tokens alone are auth: listening beyond loopback is allowed
     assert VIEWER not in repr(settings)
-    monkeypatch.setenv("TANDEM_TOKENS", json.dumps({VIEWER: ["admin"]}))
+    monkeypatch.setenv("TANDEM_TOKENS", json.dumps({VIEWER: ["owner"]}))
     with pytest.raises(ValueError, match="TANDEM_TOKENS"):
         ControlSettings()
 
 
-async def test_scopes_by_method():
-    settings = ControlSettings(tokens={VIEWER: ["read"], WRITER: ["write"]})
+async def test_scopes_by_route():
+    """Each token opens the routes of its scopes and no other (``services.security.ROUTE_SCOPES``); the
+    OpenAI-compatible endpoint's key opens inference only."""
+    settings = ControlSettings(token=SECRET, tokens={VIEWER: ["read"], WRITER: ["write"], SUBMITTER: ["read", "submit"],
+                                                     OPS: ["admin"]}, openai_token=OPENAI)
+    routes = {"GET /thing": ("get", "/thing"), "POST /thing": ("post", "/thing"),
+              "stop": ("post", "/v1/runs/r1/stop"), "chat": ("post", "/v1/chat/completions"),
+              "models": ("get", "/v1/models")}
+    opens = {  # token -> the routes it opens; every other route answers 403 naming the scope it lacks
+        VIEWER: {"GET /thing", "models"},
+        SUBMITTER: {"GET /thing", "models", "stop"},
+        WRITER: {"stop", "chat", "models"},  # the old "write": submit and infer, no longer admin
+        OPENAI: {"chat", "models"},
+        OPS: set(routes),
+        SECRET: set(routes),
+    }
     async with client_for(settings) as c:
-        viewer, writer = ({"Authorization": f"Bearer {t}"} for t in (VIEWER, WRITER))
-        assert (await c.get("/thing", headers=viewer)).status_code == 200
-        r = await c.post("/thing", headers=viewer)
-        assert (r.status_code, r.json()["detail"]) == (403, "this token lacks the 'write' scope")
-        assert (await c.post("/thing", headers=writer)).status_code == 200
-        assert (await c.get("/thing", headers=writer)).status_code == 403
+        for token, opened in opens.items():
+            for name, (method, path) in routes.items():
+                r = await c.request(method, path, headers={"Authorization": f"Bearer {token}"})
+                assert r.status_code == (200 if name in opened else 403), (token, name, r.text)
+        r = await c.post("/thing", headers={"Authorization": f"Bearer {VIEWER}"})
+        assert (r.status_code, r.json()["detail"]) == (403, "this token lacks the 'admin' scope")
+        r = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {SUBMITTER}"})
+        assert (r.status_code, r.json()["detail"]) == (403, "this token lacks the 'infer' scope")
+        r = await c.post("/v1/runs/r1/stop", headers={"Authorization": f"Bearer {OPENAI}"})
+        assert (r.status_code, r.json()["detail"]) == (403, "this token lacks the 'submit' scope")
+        # each token is its own owner, recorded as a digest, never the token
+        seen = {t: (await c.get("/v1/models", headers={"Authorization": f"Bearer {t}"})).json() for t in (SECRET, OPENAI)}
+        assert seen[SECRET]["scopes"] == ["admin", "infer", "read", "submit"] and seen[OPENAI]["scopes"] == ["infer"]
+        assert seen[SECRET]["owner"] == owner_id(SECRET) != owner_id(OPENAI) == seen[OPENAI]["owner"]
+        assert SECRET not in json.dumps(seen[SECRET]) and OPENAI not in json.dumps(seen[OPENAI])
         assert (await c.get("/thing")).status_code == 401
 
 
