@@ -53,7 +53,7 @@ from host.files import write_atomic
 from learner.batch import TrainSeq, bucket, collate, pack
 from learner.crash import crash_point
 from learner.distributed import collective, init_distributed
-from learner.logits import chunk_count, scored_logprobs, spread
+from learner.logits import chunk_count, scored_logprobs, spread, stop_token_ids
 from learner.loss import LossStats, token_loss
 from learner.packing import packing_error
 from learner.packing import register as register_packed_attention
@@ -127,6 +127,9 @@ class LearnerEngine:
         self.vocab_size = model.config.vocab_size
         self.max_len = int(getattr(model.config, "max_position_embeddings", cfg.model.max_model_len))
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.stops = torch.tensor(stop_token_ids(cfg.model.path), dtype=torch.long, device=self.device) \
+            if cfg.sampling.min_tokens else None
+        """The end tokens the sampler holds back before ``sampling.min_tokens`` (``learner.logits``)."""
         if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lc.lora is not None
@@ -196,7 +199,8 @@ class LearnerEngine:
         out = module(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=1, output_hidden_states=True,
                      **shape)
         logp, ent = scored_logprobs(out.hidden_states[-1], head, batch["index"], batch["tokens"],
-                                    temperature=self.cfg.sampling.temperature, chunks=chunks, entropy=entropy)
+                                    temperature=self.cfg.sampling.temperature, chunks=chunks, entropy=entropy,
+                                    held=batch.get("held"), stops=self.stops)
         return spread(logp, batch["mask"]), None if ent is None else spread(ent, batch["mask"])
 
     def _ref_logp(self, batch: dict, chunks: int) -> torch.Tensor:
@@ -254,7 +258,8 @@ class LearnerEngine:
         local = LossStats()
         for i, (mb, chunks) in enumerate(mbs):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                     for k, v in collate(mb, self.pad_id, packed=self.packed).items()}
+                     for k, v in collate(mb, self.pad_id, packed=self.packed,
+                                         min_tokens=cfg.sampling.min_tokens).items()}
             self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             with self.timeline.span("forward", "rank0", micro_batch=i):
                 logp, entropy = self._scored(self.engine, self.head, batch, chunks,
