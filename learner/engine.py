@@ -133,6 +133,8 @@ class LearnerEngine:
         if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lc.lora is not None
+        if self.lora and (why := tied_lora_refusal(model, lc.lora.target_modules)) is not None:
+            raise ValueError(f"learner.lora.target_modules: {why}")
         if self.lora:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
@@ -443,6 +445,27 @@ class LearnerEngine:
         if rng.exists():
             set_rng_state(load_rng_state(rng))
         return state
+
+
+def tied_lora_refusal(model: torch.nn.Module, targets: list[str]) -> str | None:
+    """Why LoRA on ``targets`` cannot train ``model`` (a Hugging Face causal LM), or None.
+
+    A model whose output head is tied to its input embeddings (``tie_word_embeddings``) is served by
+    vLLM with one tensor for both. A LoRA on either one unties them in the learner (the adapter's delta
+    reaches one use of the tensor, not the other), so no published version could be the learner's policy:
+    vLLM would serve the merged head as the embedding too, or the other way round. Refused at start."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    tied = {"output head": model.get_output_embeddings(), "input embedding": model.get_input_embeddings()}
+    for name, module in model.named_modules():
+        for what, tied_module in tied.items():
+            hit = next((t for t in targets if name == t or name.endswith(f".{t}")), None)
+            if module is tied_module and hit is not None:
+                return (f"{hit!r} adapts {name}, the {what} of a model whose head is tied to its input embeddings "
+                        "(tie_word_embeddings): vLLM serves one tensor as both, so the served policy would not be "
+                        "the learner's; adapt other modules (e.g. the attention projections)")
+    return None
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module:
