@@ -178,7 +178,8 @@ class LoraConfig(Section):
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the LoRA input."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names to adapt."""
+    """Module names to adapt. Not the head or the input embedding of a model whose head is tied to them
+    (``tie_word_embeddings``): the learner refuses them at start (vLLM serves one tensor as both)."""
 
 
 class LossConfig(Section):
