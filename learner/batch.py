@@ -162,7 +162,7 @@ def _longest_first(s: TrainSeq) -> tuple:
     return -s.length, s.group_id, s.completion
 
 
-def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dict:
+def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False, min_tokens: int = 0) -> dict:
     """The tensors of a micro-batch; an empty ``mb`` gives one all-masked dummy row.
 
     For the loss, one row per completion, right-padded to the longest less one
@@ -175,7 +175,10 @@ def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dic
     lengths, positions restarting at 0 for each sequence) and ``seq_lens`` (a
     tuple of ints). ``index`` ``[n]`` holds, for each completion token in the
     row-major order of ``mask``'s ones, the flat position of the model's output
-    that predicts it, and ``tokens`` ``[n]`` the token (``learner.logits``).
+    that predicts it, and ``tokens`` ``[n]`` the token (``learner.logits``). With ``min_tokens``
+    (``sampling.min_tokens``), ``held`` ``[n]`` marks the tokens the sampler drew with the end tokens
+    held back: each completion's first ``min_tokens`` tokens of the model's own (an episode counts
+    over its turns; ``rollout_server.episodes``).
     """
     import torch
 
@@ -189,6 +192,7 @@ def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dic
     adv = torch.zeros(b)
     index: list[int] = []
     tokens: list[int] = []
+    held: list[bool] = []
     start = 0  # where each row's first token sits in the model's flattened input
     for i, s in enumerate(rows):
         ids = s.prompt + s.completion
@@ -203,12 +207,16 @@ def collate(mb: Sequence[TrainSeq], pad_id: int, *, packed: bool = False) -> dic
             mask[i, p - 1 : p - 1 + c] = torch.tensor(s.trained, dtype=torch.float32)
             index.extend(start + p - 1 + j for j, t in enumerate(s.trained) if t)
             tokens.extend(tok for tok, t in zip(s.completion, s.trained, strict=True) if t)
+        if not dummy:  # the k-th of the model's own tokens was drawn with the end tokens held back if k < min_tokens
+            held.extend(k < min_tokens for k in range(s.scored))
         behav[i, p - 1 : p - 1 + c] = torch.tensor(s.behav, dtype=torch.float32)
         coef[i, p - 1 : p - 1 + c] = s.coef
         adv[i] = s.advantage
         start += len(ids) if packed else length
     out = {"targets": targets, "mask": mask, "behav": behav, "coef": coef, "advantages": adv,
            "index": torch.tensor(index, dtype=torch.long), "tokens": torch.tensor(tokens, dtype=torch.long)}
+    if min_tokens:
+        out["held"] = torch.tensor(held, dtype=torch.bool)
     if packed:
         out["input_ids"] = torch.tensor([[t for s in rows for t in s.prompt + s.completion]], dtype=torch.long)
         out["position_ids"] = torch.cat([torch.arange(s.length) for s in rows])[None]

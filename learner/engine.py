@@ -53,7 +53,7 @@ from host.files import write_atomic
 from learner.batch import TrainSeq, bucket, collate, pack
 from learner.crash import crash_point
 from learner.distributed import collective, init_distributed
-from learner.logits import chunk_count, scored_logprobs, spread
+from learner.logits import chunk_count, scored_logprobs, spread, stop_token_ids
 from learner.loss import LossStats, token_loss
 from learner.packing import packing_error
 from learner.packing import register as register_packed_attention
@@ -127,9 +127,14 @@ class LearnerEngine:
         self.vocab_size = model.config.vocab_size
         self.max_len = int(getattr(model.config, "max_position_embeddings", cfg.model.max_model_len))
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        self.stops = torch.tensor(stop_token_ids(cfg.model.path), dtype=torch.long, device=self.device) \
+            if cfg.sampling.min_tokens else None
+        """The end tokens the sampler holds back before ``sampling.min_tokens`` (``learner.logits``)."""
         if lc.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lc.lora is not None
+        if self.lora and (why := tied_lora_refusal(model, lc.lora.target_modules)) is not None:
+            raise ValueError(f"learner.lora.target_modules: {why}")
         if self.lora:
             from peft import LoraConfig as PeftLoraConfig
             from peft import get_peft_model
@@ -196,7 +201,8 @@ class LearnerEngine:
         out = module(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=1, output_hidden_states=True,
                      **shape)
         logp, ent = scored_logprobs(out.hidden_states[-1], head, batch["index"], batch["tokens"],
-                                    temperature=self.cfg.sampling.temperature, chunks=chunks, entropy=entropy)
+                                    temperature=self.cfg.sampling.temperature, chunks=chunks, entropy=entropy,
+                                    held=batch.get("held"), stops=self.stops)
         return spread(logp, batch["mask"]), None if ent is None else spread(ent, batch["mask"])
 
     def _ref_logp(self, batch: dict, chunks: int) -> torch.Tensor:
@@ -254,7 +260,8 @@ class LearnerEngine:
         local = LossStats()
         for i, (mb, chunks) in enumerate(mbs):
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                     for k, v in collate(mb, self.pad_id, packed=self.packed).items()}
+                     for k, v in collate(mb, self.pad_id, packed=self.packed,
+                                         min_tokens=cfg.sampling.min_tokens).items()}
             self.engine.set_gradient_accumulation_boundary(i == len(mbs) - 1)
             with self.timeline.span("forward", "rank0", micro_batch=i):
                 logp, entropy = self._scored(self.engine, self.head, batch, chunks,
@@ -438,6 +445,27 @@ class LearnerEngine:
         if rng.exists():
             set_rng_state(load_rng_state(rng))
         return state
+
+
+def tied_lora_refusal(model: torch.nn.Module, targets: list[str]) -> str | None:
+    """Why LoRA on ``targets`` cannot train ``model`` (a Hugging Face causal LM), or None.
+
+    A model whose output head is tied to its input embeddings (``tie_word_embeddings``) is served by
+    vLLM with one tensor for both. A LoRA on either one unties them in the learner (the adapter's delta
+    reaches one use of the tensor, not the other), so no published version could be the learner's policy:
+    vLLM would serve the merged head as the embedding too, or the other way round. Refused at start."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    tied = {"output head": model.get_output_embeddings(), "input embedding": model.get_input_embeddings()}
+    for name, module in model.named_modules():
+        for what, tied_module in tied.items():
+            hit = next((t for t in targets if name == t or name.endswith(f".{t}")), None)
+            if module is tied_module and hit is not None:
+                return (f"{hit!r} adapts {name}, the {what} of a model whose head is tied to its input embeddings "
+                        "(tie_word_embeddings): vLLM serves one tensor as both, so the served policy would not be "
+                        "the learner's; adapt other modules (e.g. the attention projections)")
+    return None
 
 
 def _output_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -7,7 +7,9 @@ Reads trajectory groups, and for each optimizer step hands the trainer
    (wrong logprob length, bad reward, ...) is dead-lettered with the
    validation error as its reason;
 2. *check*: token ids beyond the model's vocabulary, a sequence longer than
-   its context, or a group of another run are dead-lettered with a reason;
+   its context, a group of another run, or one whose log-probs are not of the
+   distribution the run samples from (``raw_logprobs`` at a temperature other
+   than 1: ``SamplingConfig.logprobs_refusal``) are dead-lettered with a reason;
 3. *signal*: with ``loss.filter_zero_variance`` a group whose rewards are all
    equal is acknowledged as ``zero_variance_dropped`` (DAPO dynamic
    sampling: the batch is filled with groups that carry a gradient);
@@ -109,6 +111,8 @@ class Feeder:
             reason = check_group(group, self.vocab_size, self.max_len)
             if reason is None and group.run_id != self.keys.run_id:
                 reason = f"group of run {group.run_id!r} on run {self.keys.run_id!r}'s stream"
+            if reason is None:
+                reason = self.cfg.sampling.logprobs_refusal(group.logprobs_mode)
             if reason is None and group.group_id != gid:
                 reason = f"envelope group id {gid!r} differs from the payload's {group.group_id!r}"
             if reason is not None:

@@ -144,6 +144,8 @@ class Actor:
         timeline: Timeline | None = None,
         tools: ToolBox | None = None,
     ) -> None:
+        if (why := config.sampling.logprobs_refusal(engine.logprobs_mode)) is not None:
+            raise ValueError(f"run {keys.run_id}: {why}")
         self.engine = engine
         self.timeline = timeline or Timeline.off()
         """Spans of this server's work and waits (services.timeline; docs/trace.md names them)."""
@@ -542,6 +544,7 @@ class Actor:
             policy_version=min(x.policy_version for x in samples),
             rollout_id=self.server_id,
             gen_s=gen_s,
+            logprobs_mode=self.engine.logprobs_mode,
         )
         statuses: dict[str, int] = {}
         for smp in samples:

@@ -133,6 +133,8 @@ async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfi
 
     if not rs.redis_url:
         raise ValueError("the actor loop needs Redis: set REDIS_URL")
+    if (why := config.sampling.logprobs_refusal(eng.logprobs_mode)) is not None:
+        raise ValueError(why)
     redis = connect(rs.redis_url)
     reward = reward_client(rs, redis, Keys(rs.run_id), config)
     timeline = Timeline(rs.redis_url, Keys(rs.run_id), f"rollout:{rs.name}").start()

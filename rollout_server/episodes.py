@@ -9,7 +9,12 @@ One episode, token in and token out:
 1. Generate one turn from the token ids so far (the prompt's, then every completion token in order) with
    the run's sampling parameters, :data:`~rollout_server.tools.CLOSE` added as a stop string kept in the
    text. The turn's token ids and behaviour log-probs are kept exactly as vLLM returned them, and the turn
-   is tagged with the weight version vLLM labelled its tokens with.
+   is tagged with the weight version vLLM labelled its tokens with. ``sampling.min_tokens`` counts the
+   model's tokens over the whole episode (a turn asks for what is left of it). vLLM checks no stop string
+   before a request's ``min_tokens``, so a call the model closes early would run on unseen: the turn is
+   cut after the token that completes the first :data:`~rollout_server.tools.CLOSE` (where vLLM's stop
+   would have ended it; the tokens after it are dropped, those kept are unchanged), and the call is
+   answered.
 2. A turn that ends with a call (``<tool>NAME: ARGS</tool>``, ``rollout_server.tools``) gets it answered:
    the observation's text is tokenised once, on its own and literally (``engine.tokenize(special=False)``:
    a special token's text is split into ordinary tokens, so a tool cannot end the turn), and its ids are appended
@@ -82,8 +87,9 @@ async def run_episode(engine: RolloutEngine, prompt_ids: list[int], sampling: Sa
             finish = "length"
             break
         turn_sampling = dataclasses.replace(sampling, n=1, max_tokens=min(sampling.max_tokens, room), stop=stop,
-                                            include_stop=True)
-        out = (await engine.generate(list(prompt_ids) + ids, turn_sampling, source="episode")).samples[0]
+                                            include_stop=True, min_tokens=max(0, sampling.min_tokens - sum(mask)))
+        out = first_call(engine, (await engine.generate(list(prompt_ids) + ids, turn_sampling,
+                                                        source="episode")).samples[0])
         ids += out.token_ids
         logprobs += out.logprobs
         mask += [1] * len(out.token_ids)
@@ -108,3 +114,24 @@ async def run_episode(engine: RolloutEngine, prompt_ids: list[int], sampling: Sa
                     policy_version=min(versions))
     return sample, last, {"mask": mask, "turns": len(versions), "turn_versions": versions,
                           "tool_calls": tools.calls, "tool_errors": tools.errors}
+
+
+def first_call(engine: RolloutEngine, out: Sample) -> Sample:
+    """``out`` (one turn) up to the token that completes its first :data:`CLOSE`, as vLLM's stop would have
+    ended it had ``min_tokens`` not held the stop strings back (module docstring); ``out`` when that is
+    where it ends already."""
+    end = out.text.find(CLOSE)
+    if end < 0 or end + len(CLOSE) == len(out.text):
+        return out
+
+    def text(k: int) -> str:  # the first k tokens' text, as vLLM detokenizes a completion
+        return engine.tokenizer.decode(out.token_ids[:k], skip_special_tokens=True)
+
+    lo, hi = 1, len(out.token_ids)  # bisect for the fewest tokens whose text holds a CLOSE (all of them do)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if CLOSE in text(mid) else (mid + 1, hi)
+    cut = text(hi)
+    return Sample(token_ids=out.token_ids[:hi], logprobs=out.logprobs[:hi], text=cut[: cut.find(CLOSE) + len(CLOSE)],
+                  finish_reason="stop", policy_version=out.policy_version,
+                  token_versions=[(i, v) for i, v in out.token_versions if i < hi] if out.token_versions else [])

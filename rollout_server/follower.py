@@ -10,7 +10,9 @@ and stops the actor once the run is no longer live (finished, stopped,
 failed). Each run starts from the model directory's own weights (version
 0), whatever the previous run left loaded. A run whose model is not the one
 this server serves is not served (the learner and the control plane report
-the run's state; this server logs why).
+the run's state; this server logs why), nor one whose sampling its log-probs
+do not describe (``raw_logprobs`` at a temperature other than 1:
+``SamplingConfig.logprobs_refusal``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ async def follow_runs(
                 log.error("not serving run %s: it trains %s, this server serves %s",
                           run.run_id, run.config.model.path, engine.model_dir)
                 continue  # the watcher does not offer it again
-            if (why := misfit(run.config, engine.adapters)) is not None:
+            if (why := misfit(run.config, engine.adapters) or
+                    run.config.sampling.logprobs_refusal(engine.logprobs_mode)) is not None:
                 log.error("not serving run %s: %s", run.run_id, why)
                 continue
             await engine.reset_to_base()  # a previous run left its last version loaded

@@ -60,14 +60,14 @@ class RolloutSettings(WorkerSettings):
     GPUs. Set by the deploy section's layout, as ``tensor_parallel_size``."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Sequences the engine batches in one step (vLLM ``max_num_seqs``); default vLLM's."""
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
-        default="processed_logprobs"
-    )
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(default="processed_logprobs")
     """Which log-probabilities ``Sample.logprobs`` holds. ``processed_logprobs`` (default):
-    of the distribution actually sampled from (``softmax(logits / T)`` after top-k/top-p),
-    the behaviour policy the learner's ratio needs (it divides its logits by T).
+    of the distribution actually sampled from (``softmax(logits / T)`` after min_tokens, top-k
+    and top-p), the behaviour policy the learner's ratio needs (it divides its logits by T).
     ``raw_logprobs``: log-softmax of the model's logits whatever the sampling parameters
-    (the temperature-1 policy); wrong for training at T != 1."""
+    (the temperature-1 policy). Each trajectory group carries the mode; a run whose sampling
+    processes the logits (temperature != 1, top-k, top-p, min_tokens) is refused by such a
+    server and its groups by the learner."""
     lora_rank: int | None = Field(default=None, ge=1)
     """Serve weight versions as LoRA adapters up to this rank (vLLM ``enable_lora``; see
     ``rollout_server.adapters``). Default: the run config's ``learner.lora.r`` when it has

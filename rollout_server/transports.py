@@ -94,8 +94,8 @@ def confine(uri: str, root: Path) -> Path:
 def fits(sig: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]], version: int) -> None:
     """422 unless a version's tensors (``sig``: names and shapes) are those of the served model."""
     missing = sorted(set(reference) - set(sig))
-    # tied embeddings: a checkpoint may carry lm_head.weight or not
-    extra = sorted(set(sig) - set(reference) - {"lm_head.weight"})
+    # tied embeddings: a checkpoint may carry lm_head.weight or not (its values: tied_head_fits)
+    extra = sorted(set(sig) - set(reference) - {TIED_HEAD})
     wrong = sorted(n for n in set(sig) & set(reference) if sig[n] != reference[n])
     if missing or extra or wrong:
         parts = []
@@ -106,6 +106,31 @@ def fits(sig: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]],
         if wrong:
             parts.append("shape mismatch " + ", ".join(f"{n}: {sig[n]} != {reference[n]}" for n in wrong[:5]))
         raise WeightLoadError(422, f"version {version} does not fit the served model: {'; '.join(parts)}")
+
+
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def tied_head_fits(path: Path, sig: dict[str, tuple[int, ...]], reference: dict[str, tuple[int, ...]],
+                   version: int) -> None:
+    """422 when a version for a model whose head is tied to its input embeddings (its checkpoint has no
+    ``lm_head.weight``) carries an ``lm_head.weight`` that is not its embedding. vLLM ties the two to one
+    tensor, so whichever it loads last would serve as both, and the engine would not be the learner's
+    policy: what a LoRA on the head of a tied model publishes (the learner refuses that adapter)."""
+    if TIED_HEAD not in sig or TIED_HEAD in reference:
+        return
+    import torch
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in weightstore.weight_files(path):
+        with safe_open(f, "pt") as st:
+            found.update((name, st.get_tensor(name)) for name in (TIED_HEAD, EMBEDDING) if name in st.keys())
+    if EMBEDDING not in found or not torch.equal(found[TIED_HEAD], found[EMBEDDING]):
+        raise WeightLoadError(422, f"version {version} carries an {TIED_HEAD} unlike its {EMBEDDING}, but the "
+                                   "served model ties its head to its input embeddings (tie_word_embeddings): "
+                                   "vLLM would serve one tensor as both (a LoRA on the head or the embedding of a "
+                                   "tied model? learner.lora.target_modules)")
 
 
 # -- filesystem ---------------------------------------------------------------
@@ -162,6 +187,7 @@ class FilesystemTransport(LocalVersions):
         except OSError as e:
             raise WeightLoadError(422, f"version {request.version}: unreadable weights: {e}") from e
         fits(sig, self.reference, request.version)
+        tied_head_fits(path, sig, self.reference, request.version)
         return Prepared(request, path, nbytes)
 
     async def apply(self, llm: Any, prepared: Prepared) -> None:

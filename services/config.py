@@ -134,9 +134,29 @@ class SamplingConfig(Section):
     max_tokens: int = Field(default=64, ge=1)
     """Completion length cap in tokens."""
     min_tokens: int = Field(default=0, ge=0)
-    """Completion tokens sampled before EOS or a stop string may end a completion (vLLM's ``min_tokens``; 0 = off)."""
+    """Completion tokens sampled before EOS or a stop string may end a completion (vLLM's ``min_tokens``; 0 = off).
+    An episode counts the model's tokens over all its turns; a tool call may end a turn before. The learner
+    masks the end-of-sequence tokens at these positions too, as the sampler did (``learner.logits``)."""
     stop: list[str] = Field(default_factory=list)
     """Stop strings (the stop string is kept out of the completion)."""
+
+    def logprobs_refusal(self, mode: str) -> str | None:
+        """Why behaviour log-probs of ``mode`` (a rollout engine's ``logprobs_mode``) cannot train a run
+        sampled with these settings, or None. The importance ratio needs the log-probs of the distribution
+        the tokens were drawn from; ``raw_logprobs`` (the log-softmax of the logits) is that distribution
+        only when nothing processes the logits: temperature 1, no top-k, top-p or min_tokens."""
+        if mode == "processed_logprobs":
+            return None
+        processed = [f"{name} = {value}" for name, value, off in (
+            ("temperature", self.temperature, 1.0), ("top_k", self.top_k, 0), ("top_p", self.top_p, 1.0),
+            ("min_tokens", self.min_tokens, 0)) if value != off]
+        if mode == "raw_logprobs" and not processed:
+            return None
+        if mode != "raw_logprobs":
+            return f"log-probs of an unknown mode {mode!r}"
+        return (f"the rollout engine records raw_logprobs (the temperature-1 distribution), but the run samples "
+                f"with sampling.{', sampling.'.join(processed)}: start the rollout server with "
+                "TANDEM_ROLLOUT_LOGPROBS_MODE=processed_logprobs")
 
 
 class RewardConfig(Section):
@@ -158,7 +178,8 @@ class LoraConfig(Section):
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the LoRA input."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    """Module names to adapt."""
+    """Module names to adapt. Not the head or the input embedding of a model whose head is tied to them
+    (``tie_word_embeddings``): the learner refuses them at start (vLLM serves one tensor as both)."""
 
 
 class LossConfig(Section):

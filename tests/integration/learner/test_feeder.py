@@ -13,14 +13,14 @@ from tests.fixtures.learner import add_group, make_group
 
 
 def feeder_for(redis, keys, eta: int, *, filter_zero_variance: bool = True, consumer: str = "learner-test",
-               visibility_timeout_s: float = 300.0):
+               visibility_timeout_s: float = 300.0, temperature: float = 1.0):
     from learner.feeder import Feeder
     from services.config import RunConfig
 
     cfg = RunConfig.model_validate({
         "model": {"path": "unused"}, "data": {"train": "unused"},
         "staleness": {"max_staleness": eta, "visibility_timeout_s": visibility_timeout_s},
-        "loss": {"filter_zero_variance": filter_zero_variance},
+        "loss": {"filter_zero_variance": filter_zero_variance}, "sampling": {"temperature": temperature},
     })
     return Feeder(redis, keys, cfg, vocab_size=90, max_len=128, consumer=consumer)
 
@@ -85,6 +85,22 @@ async def test_bad_input_is_dead_lettered_with_a_reason(redis, keys):
     assert "another-run" in reasons[wrong_run_gid]
     assert "msgpack" in reasons["not-msgpack"]
     assert feeder.counts["dead_lettered"] == 4
+
+
+async def test_raw_logprobs_groups_are_refused_when_the_run_samples_at_another_temperature(redis, keys):
+    """A rollout server started with raw_logprobs records the temperature-1 log-probs; a run at T = 0.7 needs
+    those of softmax(logits / 0.7): its groups would bias every ratio, so they are dead-lettered, saying why."""
+    feeder = feeder_for(redis, keys, eta=1, temperature=0.7)
+    await feeder.start()
+    raw = await add_group(redis, keys, 0, logprobs_mode="raw_logprobs")
+    processed = await add_group(redis, keys, 0)
+    batch = await feeder.next_batch(0, 1, timeout_s=5)
+    assert [g.group_id for _, g in batch] == [processed]
+    reasons = {d["g"]: d["reason"] for d in await feeder.stream.dead_letters()}
+    assert "raw_logprobs" in reasons[raw] and "sampling.temperature = 0.7" in reasons[raw]
+    # at temperature 1 with nothing else processing the logits the two modes are one distribution
+    at_one = feeder_for(redis, keys, eta=1, consumer="learner-t1")
+    assert at_one.cfg.sampling.logprobs_refusal("raw_logprobs") is None
 
 
 async def test_zero_variance_groups_are_filtered_or_kept(redis, keys):

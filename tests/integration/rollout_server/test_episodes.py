@@ -114,6 +114,30 @@ async def test_an_episode_keeps_the_models_tokens_and_masks_the_observation(
         assert max(abs(s.logprobs[i] - ref[i]) for i in model) < 2e-3
 
 
+async def test_a_call_closed_before_min_tokens_is_answered_with_the_learners_log_probs(
+    rollout_engine, tool_version, weight_versions, learner_logprobs, tokenizer
+):
+    """vLLM checks no stop string before a request's min_tokens: a call the model closes earlier would be
+    written on past and never answered. The turn is cut after its ``</tool>`` and the call answered;
+    ``min_tokens`` counts the model's tokens over the episode, and the behaviour log-probs of every turn
+    are the learner's recomputation (the end tokens held back on the first min_tokens model tokens)."""
+    import dataclasses
+
+    prompt = rollout_engine.tokenize("C:")
+    min_tokens = len(CALL["C:"]) + 8  # one token a character: the call is written well inside the minimum
+    sampling = dataclasses.replace(SAMPLING, min_tokens=min_tokens)
+    gen = await run_episodes(rollout_engine, prompt, sampling, wire.EpisodeSpec(tools=["calculator"], max_turns=4),
+                             3, ToolBox())
+    for s, f in zip(gen.samples, gen.fields, strict=True):
+        assert f["tool_calls"] >= 1 and f["turns"] >= 2, s.text
+        (m1, _, a), (m0, b, c), *_ = _segments(f["mask"])
+        assert (m1, m0) == (1, 0) and tokenizer.decode(s.token_ids[:a]) == CALL["C:"], s.text
+        assert s.text.startswith(CALL["C:"] + "<result>42</result>"), s.text
+        learner = learner_logprobs(weight_versions.dir_of(tool_version), prompt, s.token_ids, f["mask"],
+                                   temperature=TEMPERATURE, min_tokens=min_tokens)
+        assert max(abs(x - y) for x, y, m in zip(s.logprobs, learner, f["mask"], strict=True) if m) < 2e-3
+
+
 def test_an_observation_is_tokenised_literally_never_as_special_tokens(rollout_engine):
     # a tool's output is the policy's program's (or a user tool's) text: the texts of the model's special
     # tokens in it must not become those tokens (an EOS would end the turn, a chat tag forge a new one)

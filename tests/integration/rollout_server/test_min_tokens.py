@@ -1,8 +1,11 @@
-"""``sampling.min_tokens`` reaches vLLM through the actor: no completion ends before it.
+"""``sampling.min_tokens`` reaches vLLM through the actor: no completion ends before it, and the
+behaviour log-probs of its held-back positions are the learner's.
 
 Every character of the tiny model's alphabet is a stop string here, so without a minimum a
 completion ends at its first visible token; with ``min_tokens = 6`` vLLM holds stop strings and
-EOS back until the sixth token.
+EOS back until the sixth token. Its sampler masks the end tokens there before it takes the log-probs;
+the learner's recomputation (``learner.batch.collate`` + ``learner.logits.scored_logprobs``) masks the
+same tokens at the same positions, so the two agree token for token.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from tests.fixtures.rollout import TOKEN
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
 MIN_TOKENS = 6
+TEMPERATURE = 0.8
 
 
-async def test_the_actor_samples_at_least_min_tokens(
-    rollout_engine, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
+async def test_the_actor_samples_at_least_min_tokens_with_the_learners_log_probs(
+    rollout_engine, redis, keys, tiny_model, tmp_path, weight_versions, reward_service, learner_logprobs
 ):
     from rollout_server.actor import Actor
 
@@ -38,7 +42,7 @@ async def test_the_actor_samples_at_least_min_tokens(
         "name": "min-tokens-test",
         "model": {"path": str(tiny_model), "max_model_len": 256},
         "data": {"train": str(train)},
-        "sampling": {"group_size": 8, "max_tokens": 12, "min_tokens": MIN_TOKENS, "temperature": 1.0,
+        "sampling": {"group_size": 8, "max_tokens": 12, "min_tokens": MIN_TOKENS, "temperature": TEMPERATURE,
                      "stop": list(DEFAULT_ALPHABET)},
         "learner": {"groups_per_step": 1},
         "staleness": {"max_staleness": 1, "lease_s": 60, "visibility_timeout_s": 60},
@@ -70,3 +74,15 @@ async def test_the_actor_samples_at_least_min_tokens(
     group = wire.decode(wire.TrajectoryGroup, got[0].envelope.payload)
     lengths = [len(s.token_ids) for s in group.samples]
     assert len(lengths) == 8 and min(lengths) >= MIN_TOKENS, lengths
+    assert group.logprobs_mode == "processed_logprobs"
+    held_gap = 0.0
+    for s in group.samples:
+        weights = weight_versions.dir_of(s.policy_version)
+        learner = learner_logprobs(weights, group.prompt_token_ids, s.token_ids, temperature=TEMPERATURE,
+                                   min_tokens=MIN_TOKENS)
+        assert max(abs(a - b) for a, b in zip(s.logprobs, learner, strict=True)) < 2e-3, (s.logprobs, learner)
+        unmasked = learner_logprobs(weights, group.prompt_token_ids, s.token_ids, temperature=TEMPERATURE,
+                                    min_tokens=0)
+        held_gap = max(held_gap, *(abs(a - b) for a, b in zip(s.logprobs[:MIN_TOKENS], unmasked, strict=False)))
+    # the mask matters here: without it the recomputation is off by log(1 - P(EOS)) at the held positions
+    assert held_gap > 5e-3, held_gap

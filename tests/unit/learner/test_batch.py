@@ -109,3 +109,38 @@ def test_split_ranks_balances_tokens_deterministically():
     assert abs(sum(r.length for r in a) - sum(r.length for r in b)) <= 2
     assert split_ranks(rows, 2) == [a, b]
     assert split_ranks(rows, 1) == [sorted(rows, key=lambda r: (-r.length, r.group_id, r.completion))]
+
+
+def test_collate_marks_the_model_tokens_drawn_before_min_tokens():
+    """``held``: a completion's first min_tokens tokens; an episode counts its model tokens over its turns
+    (observation tokens are not scored and not counted), as rollout_server.episodes asks vLLM for them."""
+    plain = TrainSeq("g", (5,), (7, 8, 9, 10), (0.0,) * 4, 0.0, 0.0)
+    episode = TrainSeq("g", (5,), (7, 8, 1, 1, 9, 9), (0.0,) * 6, 0.0, 0.0, (1, 1, 0, 0, 1, 1))
+    b = collate([plain, episode], pad_id=0, min_tokens=3)
+    assert b["tokens"].tolist() == [7, 8, 9, 10, 7, 8, 9, 9]
+    assert b["held"].tolist() == [True, True, True, False, True, True, True, False]
+    assert "held" not in collate([plain], pad_id=0)
+    assert collate([], pad_id=0, min_tokens=3)["held"].tolist() == []
+
+
+def test_held_rows_exclude_the_end_tokens_as_vllms_sampler_does():
+    """On held rows the log-probs are of softmax(logits / T) with the stop tokens masked (renormalised over
+    the rest); other rows keep the whole distribution; entropy and gradients stay finite."""
+    from learner.logits import scored_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 6, bias=False)
+    hidden = torch.randn(1, 5, 8)
+    index, targets = torch.arange(4), torch.tensor([3, 1, 0, 4])
+    held, stops = torch.tensor([True, True, True, False]), torch.tensor([0, 2])
+    lp, ent = scored_logprobs(hidden, head, index, targets, temperature=0.7, chunks=2, entropy="grad",
+                              held=held, stops=stops)
+    logits = head(hidden[0, :4]) / 0.7
+    masked = logits.clone()
+    masked[:2, [0, 2]] = float("-inf")  # row 2's own token is a stop token: it was not drawn under the mask
+    want = torch.log_softmax(masked, -1).gather(-1, targets[:, None])[:, 0]
+    assert lp.tolist() == pytest.approx(want.tolist(), abs=1e-6)
+    assert lp[3].item() == pytest.approx(torch.log_softmax(logits[3], -1)[4].item(), abs=1e-6)
+    assert torch.isfinite(ent).all()
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(head.weight.grad).all()

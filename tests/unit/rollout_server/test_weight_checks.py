@@ -94,3 +94,22 @@ async def test_prepare_checks_the_checksum_and_missing_dirs(tmp_path):
     with pytest.raises(WeightLoadError, match=r"no \*\.safetensors files") as e:
         await t.prepare(LoadWeights(version=1, uri=str(tmp_path / "no-weights")))
     assert e.value.status == 422
+
+
+async def test_prepare_refuses_a_head_unlike_its_tied_embedding(tmp_path):
+    """The served model's checkpoint has no lm_head.weight (its head is tied to its embeddings): a version whose
+    lm_head.weight differs from its embedding is what a LoRA on a tied head publishes, and vLLM would serve one
+    tensor as both. An lm_head.weight equal to the embedding is harmless (test above)."""
+    import torch
+
+    from rollout_server.transports import FilesystemTransport, WeightLoadError
+    from services import weightstore as store
+    from services.wire import LoadWeights
+
+    embed = torch.zeros(10, 4)
+    written = store.write_version(tmp_path, 1, {"model.embed_tokens.weight": embed, "model.norm.weight": torch.zeros(4),
+                                                "lm_head.weight": embed + 0.5})
+    transport = FilesystemTransport({k: tuple(v[1]) for k, v in SIG.items()})
+    with pytest.raises(WeightLoadError, match="lm_head.weight unlike its model.embed_tokens.weight") as e:
+        await transport.prepare(LoadWeights(version=1, uri=written.path.as_uri(), sha256=written.sha256))
+    assert e.value.status == 422

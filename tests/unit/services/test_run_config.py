@@ -92,3 +92,21 @@ def test_no_token_only_on_loopback():
     with pytest.raises(ValueError, match="refusing"):
         CommonSettings(host="0.0.0.0").check_auth_safe()
     CommonSettings(host="0.0.0.0", token="t" * 16).check_auth_safe()
+
+
+@pytest.mark.parametrize("sampling, refused", [
+    ({}, None),
+    ({"temperature": 0.7}, "sampling.temperature = 0.7"),
+    ({"top_k": 5}, "sampling.top_k = 5"),
+    ({"top_p": 0.9}, "sampling.top_p = 0.9"),
+    ({"min_tokens": 4}, "sampling.min_tokens = 4"),
+])
+def test_raw_logprobs_describe_only_unprocessed_sampling(sampling, refused):
+    """raw_logprobs are the sampled distribution only when nothing processes the logits;
+    processed_logprobs always are (services.config.SamplingConfig.logprobs_refusal)."""
+    from services.config import SamplingConfig
+
+    cfg = SamplingConfig(**sampling)
+    assert cfg.logprobs_refusal("processed_logprobs") is None
+    why = cfg.logprobs_refusal("raw_logprobs")
+    assert why is None if refused is None else refused in why and "TANDEM_ROLLOUT_LOGPROBS_MODE" in why
