@@ -52,7 +52,7 @@ MEMBER = """
 import asyncio, sys, time
 from broker import Keys, connect
 from broker.broadcast import BroadcastBoard
-from services.weightgroup import WeightGroup
+from services.weightgroup import WeightGroup, broadcast_key
 
 async def main(url, run_id, name, count):
     redis = connect(url)
@@ -62,7 +62,8 @@ async def main(url, run_id, name, count):
         while (a := await board.wait_seat(name, last, timeout_s=5.0)) is None:
             await board.join(name, 1)
         t0 = time.perf_counter()
-        group = WeightGroup(a.host, a.port, a.seats[name], a.world, timeout_s=a.timeout_s, name=a.group)
+        group = WeightGroup(a.host, a.port, a.seats[name], a.world, key=broadcast_key(None), timeout_s=a.timeout_s,
+                            name=a.group)
         _, digest = await asyncio.to_thread(group.receive)
         print(a.version, round(time.perf_counter() - t0, 4), digest, flush=True)
         last = a.version
@@ -88,6 +89,7 @@ async def run(args, work: Path, redis_url: str) -> dict:
     from learner.publisher import Broadcaster, publish_tensors
     from services import weightstore as store
     from services.config import RunConfig
+    from services.weightgroup import broadcast_key
 
     size = TINY if args.tiny else MODEL
     model = tiny_qwen3(work / "model", **size, max_positions=512, dtype="bfloat16", tie_embeddings=False)
@@ -108,7 +110,7 @@ async def run(args, work: Path, redis_url: str) -> dict:
                               stdout=subprocess.PIPE, text=True, start_new_session=True,
                               env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
     board = BroadcastBoard(redis, keys)
-    broadcaster = Broadcaster(redis, keys, cfg.publish, "127.0.0.1")
+    broadcaster = Broadcaster(redis, keys, cfg.publish, "127.0.0.1", broadcast_key(None))  # auth off here
     seqs = [build_batch(synthetic_groups(engine.vocab_size, 1, args.group_size, args.prompt_len,
                                          args.completion_len, seed=s), cfg.loss, cfg.sampling.max_tokens)
             for s in range(2 * args.rounds + 1)]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +92,13 @@ class Sent:
 class Broadcaster:
     """Rank 0's half of ``publish.transport = "broadcast"``: announce a version's group and stream it."""
 
-    def __init__(self, redis, keys: Keys, publish: PublishConfig, host: str) -> None:
+    def __init__(self, redis, keys: Keys, publish: PublishConfig, host: str, key: bytes) -> None:
         self.board = BroadcastBoard(redis, keys)
         self.ledger = Ledger(redis, keys)
         self.publish = publish
         self.host = host
+        self.key = key
+        """Signs each group's store (``services.weightgroup.broadcast_key``): only holders of the token join."""
 
     async def send(self, version: int, tensors: dict) -> Sent | None:
         """Stream ``version`` to the members now on the board; None when there is none."""
@@ -105,10 +108,11 @@ class Broadcaster:
         if not seats:
             return None
         t0, timeout = time.perf_counter(), self.publish.broadcast_timeout_s
-        name = f"v{version}"
+        name = f"v{version}-{secrets.token_hex(4)}"  # signatures bind it: none carries over from another group
         digest = error = None
         try:
-            group = await asyncio.to_thread(WeightGroup, self.host, 0, 0, world, timeout_s=timeout, name=name)
+            group = await asyncio.to_thread(WeightGroup, self.host, 0, 0, world, key=self.key, timeout_s=timeout,
+                                            name=name)
             # in the ledger first: a server may hold the version before anything else is recorded
             await self.ledger.append("broadcast", version=version, members=sorted(seats))
             await self.board.announce(Announcement(version=version, host=self.host, port=group.port, group=name,
@@ -142,7 +146,10 @@ class Publisher:
         self.broadcaster = None
         """With ``publish.transport = "broadcast"``: streams each version before its files are written."""
         if cfg.publish.transport == "broadcast":
-            self.broadcaster = Broadcaster(redis, keys, cfg.publish, settings.broadcast_host)
+            from services.weightgroup import broadcast_key
+
+            self.broadcaster = Broadcaster(redis, keys, cfg.publish, settings.broadcast_host,
+                                           broadcast_key(settings.token))
         self._writing: asyncio.Task | None = None
         """The background write and registration of the last broadcast version (:meth:`publish`)."""
 
