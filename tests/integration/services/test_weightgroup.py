@@ -10,11 +10,17 @@ import time
 
 import pytest
 import torch
-
 from pydantic import SecretStr
 
 from host.processes import free_port
-from services.weightgroup import BroadcastFailed, WeightGroup, broadcast_key, layout, manifest, read_manifest
+from services.weightgroup import (
+    BroadcastFailed,
+    WeightGroup,
+    broadcast_key,
+    layout,
+    manifest,
+    read_manifest,
+)
 
 KEY = broadcast_key(SecretStr("weight-group-test-token"))
 
