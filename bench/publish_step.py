@@ -15,8 +15,9 @@ fp32 training, gloo), one run times, for each transport, ``--rounds`` rounds of:
 
    - ``files``: the gather (``publisher.publish_tensors``) and ``services.weightstore.write_version``
      (safetensors, sha256, fsync, rename) on the learner's path;
-   - ``broadcast``: the gather, the wait for the previous version's background write (the publisher's
-     ``written``), ``learner.publisher.Broadcaster.send`` to one member process (a rollout server's stand-in:
+   - ``broadcast``: the wait for the previous version's background write (the publisher's ``written``,
+     before the gather that may refill the host buffers it reads), the gather,
+     ``learner.publisher.Broadcaster.send`` to one member process (a rollout server's stand-in:
      it joins the run's board in Redis, waits for its seat and receives with ``services.weightgroup``, the
      code a vLLM worker runs, digest checked) and the copy the publisher makes of unsharded tensors; the files
      are then written in a background thread (as the publisher's ``_write``), so the next round's step runs
@@ -133,16 +134,17 @@ async def run(args, work: Path, redis_url: str) -> dict:
                 step_s = time.perf_counter() - t
                 row = {"version": version, "step_s": step_s, "write_in_flight": writing is not None and not writing.done()}
                 t0 = time.perf_counter()
+                if transport == "broadcast":  # the publisher's written(), before the gather that may refill its buffers
+                    if writing is not None:
+                        await writing
+                    row["wait_write_s"] = time.perf_counter() - t0
+                t = time.perf_counter()
                 tensors, _ = publish_tensors(engine, cfg, dtype)
-                row["gather_s"] = time.perf_counter() - t0
+                row["gather_s"] = time.perf_counter() - t
                 if transport == "files":
                     written = store.write_version(work / "weights", version, tensors, step=version, replace=True)
                     row["write_s"] = written.seconds
                 else:
-                    t = time.perf_counter()
-                    if writing is not None:  # the publisher's written(): the registry stays in order
-                        await writing
-                    row["wait_write_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     sent = await broadcaster.send(version, tensors)
                     assert sent is not None and sent.error is None, sent

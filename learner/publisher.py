@@ -24,9 +24,10 @@ them with the broker (``broker.weight_versions``), whose rollout servers load th
    decision is written to ``<run>/weights/retention.json``.
 
 With the broadcast, 3-5 run in the background (the write in a thread of its own) while the learner
-trains its next step: :meth:`Publisher.written` waits for them before the next publish, so the
-registry stays in order, and before a checkpoint, which must find its version registered at a resume.
-With files, the learner waits for all five.
+trains its next step: :meth:`Publisher.written` waits for them before the next publish's gather (the
+gather refills the host buffers that write reads on a GPU, and the registry stays in order), and
+before a checkpoint, which must find its version registered at a resume. With files, the learner
+waits for all five.
 
 A broadcast's failure never stops the learner: with no member, nothing is sent; a member that never
 joins or stops answering costs at most ``publish.broadcast_timeout_s`` per wait, then the broadcast
@@ -158,18 +159,21 @@ class Publisher:
 
         With ``publish.transport = "broadcast"`` the version is streamed to the servers in its group first
         and its files are written and registered in the background (:meth:`written` waits for them: before
-        the next publish, so the registry stays in order, and before a checkpoint, which must find its
-        version registered at a resume): the learner's next step does not wait for the disk."""
+        the next publish's gather, which may refill the buffers it reads, so a version's files hold its own
+        weights and the registry stays in order, and before a checkpoint, which must find its version
+        registered at a resume): the learner's next step does not wait for the disk."""
         import torch
 
         dtype = getattr(torch, self.cfg.model.dtype)
         t0 = time.perf_counter()
+        # before the gather: on a GPU it refills the host buffers the previous version's files are written
+        # from (LearnerEngine._to_host), which would write this version's bytes under that version's name
+        await self.written()
         tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
         if self.broadcaster is None or layout:  # files (adapters are never broadcast: the config refuses it)
             await self._write(version, step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=None)
             return
-        await self.written()
         with self.timeline.span("broadcast", "rank0", step=step, version=version):
             sent = await self.broadcaster.send(version, tensors)
         if self.engine.zero_stage != 3:  # unsharded tensors may be the live parameters the next step changes
