@@ -136,6 +136,7 @@ def _listen(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own store socket
         sock.bind(addr)
         sock.listen(socket.SOMAXCONN)
     except OSError:
