@@ -127,8 +127,8 @@ async def run(args, work: Path, redis_url: str) -> dict:
     from learner.engine import LearnerEngine
     from services.config import RunConfig
 
-    size = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=192)
-    model = tiny_qwen3(work / "model", **size, max_positions=256, dtype="bfloat16", tie_embeddings=False)
+    model = args.model or tiny_qwen3(work / "model", hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32,
+                                     intermediate=192, max_positions=256, dtype="bfloat16", tie_embeddings=False)
     cfg = RunConfig.model_validate({
         "name": "publish-versions", "model": {"path": str(model), "max_model_len": 256, "dtype": "bfloat16"},
         "data": {"train": "unused.jsonl"}, "sampling": {"group_size": 4, "max_tokens": 16},
@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--write-delay-s", type=float, default=2.0, help="Each version's write starts this late.")
     ap.add_argument("--reuse-buffers", action="store_true", help="The GPU's reused host buffers, on CPU.")
+    ap.add_argument("--model", type=Path, default=None, help="A model directory (default: a tiny Qwen3 built here).")
     ap.add_argument("--workdir", type=Path, default=None, help="Where the model and versions go (default: a temp dir).")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="tandem-versions-", dir=args.workdir) as tmp:
