@@ -208,7 +208,7 @@ def broadcast_rate(args, device: str) -> dict:
 
 
 def published_versions(model: Path, args, work: Path) -> dict:
-    """Part 6: ``bench/publish_versions.check`` on a ZeRO-3 bf16 engine of the bench model, its host buffers reused."""
+    """Part 6: ``check`` of ``bench/publish_versions.py`` on a ZeRO-3 bf16 engine of the bench model, its host buffers reused."""
     import asyncio
 
     from bench.publish_versions import check
