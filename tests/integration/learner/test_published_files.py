@@ -29,13 +29,13 @@ def test_each_versions_files_hold_its_own_weights_when_the_next_publish_comes_fi
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(ROOT / "bench/publish_versions.py"), "--reuse-buffers", "--versions", "3",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench/publish_versions.py"), "--reuse-buffers", "--versions", "2",
                            "--write-delay-s", "1.5", "--model", str(tiny_model), "--workdir", str(tmp_path),
                            "--out", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.exists(), proc.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["host_buffers"] and report["zero_stage"] == 3
-    assert report["distinct_versions"] == 3  # each step moved the weights, so a mix-up shows
+    assert report["distinct_versions"] == 2  # the step moved the weights, so a mix-up shows
     assert report["mismatched"] == [], f"versions {report['mismatched']} hold the weights of a later version"
     assert proc.returncode == 0, proc.stderr[-4000:]
