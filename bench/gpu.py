@@ -25,9 +25,13 @@ character vocabulary), built in code since nothing can be downloaded:
 5. the weight broadcast's rate between two processes (``--broadcast-gb`` of bf16): NCCL between two
    GPUs where there are at least two (NCCL refuses two ranks on one GPU: with one GPU it says so and skips);
    on CPU (``--device cpu``, the dry run of this script) gloo through ``services.weightgroup``, what
-   ``publish.transport = "broadcast"`` runs there.
+   ``publish.transport = "broadcast"`` runs there;
+6. that each published version's files hold that version's weights with ZeRO-3 and the broadcast
+   transport, whose files are written in the background from the pinned host buffers the next
+   publish refills (``bench/publish_versions.py``'s check, with its slow disk; on the CPU dry run the
+   buffers' reuse is forced). The script exits 1 if a version's files hold other weights.
 
-    DS_ACCELERATOR=cpu python bench/gpu.py --device cpu --tiny --out /tmp/gpu.json   # the CPU dry run of all five
+    DS_ACCELERATOR=cpu python bench/gpu.py --device cpu --tiny --out /tmp/gpu.json   # the CPU dry run of all six
 
 Figures go to ``--out`` (JSON) and to stdout, with the hardware named.
 """
@@ -203,6 +207,39 @@ def broadcast_rate(args, device: str) -> dict:
             "gb_per_s": round(nbytes / best / 1e9, 2), "note": "GPU 0 to GPU 1, best of 3 after a warm-up"}
 
 
+def published_versions(model: Path, args, work: Path) -> dict:
+    """Part 6: ``check`` of ``bench/publish_versions.py`` on a ZeRO-3 bf16 engine of the bench model, its host buffers reused."""
+    import asyncio
+
+    from bench.publish_versions import check
+    from broker.embedded import EmbeddedRedis
+    from learner.batch import build_batch
+    from learner.engine import LearnerEngine
+    from services.config import RunConfig
+
+    cfg = RunConfig.model_validate({
+        "name": "gpu-bench-versions", "model": {"path": str(model), "max_model_len": 1024, "dtype": "bfloat16"},
+        "data": {"train": "unused.jsonl"},
+        "sampling": {"group_size": args.group_size, "max_tokens": args.completion_len},
+        "learner": {"zero_stage": 3, "precision": "bf16", "lr": 1e-4, "micro_batch_tokens": args.micro_batch_tokens},
+        "loss": {"beta": 0.0}, "publish": {"transport": "broadcast", "keep": 100},
+    })
+    engine = LearnerEngine(cfg)
+    engine.host_buffers = True  # a GPU's path (on the CPU dry run: forced)
+    seeds = iter(range(1000, 2000))
+
+    def train() -> None:
+        groups = synthetic_groups(engine.vocab_size, 1, args.group_size, args.prompt_len, args.completion_len,
+                                  seed=next(seeds))
+        engine.train_step(build_batch(groups, cfg.loss, cfg.sampling.max_tokens))
+
+    try:
+        with EmbeddedRedis(work / "redis") as redis:
+            return asyncio.run(check(engine, cfg, redis.url, work / "versions", train))
+    finally:
+        engine.engine.destroy()
+
+
 def generation(model: Path, args) -> dict:
     try:
         from vllm import LLM, SamplingParams
@@ -282,10 +319,14 @@ def main() -> None:
         report["packing"] = ({"skipped": "--no-packing"} if args.no_packing else
                              packed_vs_padded(model, params, int(args.stages.split(",")[0]), args, work))
         report["broadcast"] = broadcast_rate(args, device)
+        report["published_versions"] = published_versions(model, args, work)
+        print(json.dumps(report["published_versions"]), flush=True)
     report["device"] = device
     report["wall_s"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
+    if report["published_versions"]["mismatched"]:
+        sys.exit(f"versions {report['published_versions']['mismatched']}: their files hold other weights")
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ fp32 training, gloo), one run times, for each transport, ``--rounds`` rounds of:
 
    - ``files``: the gather (``publisher.publish_tensors``) and ``services.weightstore.write_version``
      (safetensors, sha256, fsync, rename) on the learner's path;
-   - ``broadcast``: the gather, the wait for the previous version's background write (the publisher's
-     ``written``), ``learner.publisher.Broadcaster.send`` to one member process (a rollout server's stand-in:
+   - ``broadcast``: the wait for the previous version's background write (the publisher's ``written``,
+     before the gather that may refill the host buffers it reads), the gather,
+     ``learner.publisher.Broadcaster.send`` to one member process (a rollout server's stand-in:
      it joins the run's board in Redis, waits for its seat and receives with ``services.weightgroup``, the
      code a vLLM worker runs, digest checked) and the copy the publisher makes of unsharded tensors; the files
      are then written in a background thread (as the publisher's ``_write``), so the next round's step runs
@@ -52,7 +53,7 @@ MEMBER = """
 import asyncio, sys, time
 from broker import Keys, connect
 from broker.broadcast import BroadcastBoard
-from services.weightgroup import WeightGroup
+from services.weightgroup import WeightGroup, broadcast_key
 
 async def main(url, run_id, name, count):
     redis = connect(url)
@@ -62,7 +63,8 @@ async def main(url, run_id, name, count):
         while (a := await board.wait_seat(name, last, timeout_s=5.0)) is None:
             await board.join(name, 1)
         t0 = time.perf_counter()
-        group = WeightGroup(a.host, a.port, a.seats[name], a.world, timeout_s=a.timeout_s, name=a.group)
+        group = WeightGroup(a.host, a.port, a.seats[name], a.world, key=broadcast_key(None), timeout_s=a.timeout_s,
+                            name=a.group)
         _, digest = await asyncio.to_thread(group.receive)
         print(a.version, round(time.perf_counter() - t0, 4), digest, flush=True)
         last = a.version
@@ -88,6 +90,7 @@ async def run(args, work: Path, redis_url: str) -> dict:
     from learner.publisher import Broadcaster, publish_tensors
     from services import weightstore as store
     from services.config import RunConfig
+    from services.weightgroup import broadcast_key
 
     size = TINY if args.tiny else MODEL
     model = tiny_qwen3(work / "model", **size, max_positions=512, dtype="bfloat16", tie_embeddings=False)
@@ -108,7 +111,7 @@ async def run(args, work: Path, redis_url: str) -> dict:
                               stdout=subprocess.PIPE, text=True, start_new_session=True,
                               env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
     board = BroadcastBoard(redis, keys)
-    broadcaster = Broadcaster(redis, keys, cfg.publish, "127.0.0.1")
+    broadcaster = Broadcaster(redis, keys, cfg.publish, "127.0.0.1", broadcast_key(None))  # auth off here
     seqs = [build_batch(synthetic_groups(engine.vocab_size, 1, args.group_size, args.prompt_len,
                                          args.completion_len, seed=s), cfg.loss, cfg.sampling.max_tokens)
             for s in range(2 * args.rounds + 1)]
@@ -131,16 +134,17 @@ async def run(args, work: Path, redis_url: str) -> dict:
                 step_s = time.perf_counter() - t
                 row = {"version": version, "step_s": step_s, "write_in_flight": writing is not None and not writing.done()}
                 t0 = time.perf_counter()
+                if transport == "broadcast":  # the publisher's written(), before the gather that may refill its buffers
+                    if writing is not None:
+                        await writing
+                    row["wait_write_s"] = time.perf_counter() - t0
+                t = time.perf_counter()
                 tensors, _ = publish_tensors(engine, cfg, dtype)
-                row["gather_s"] = time.perf_counter() - t0
+                row["gather_s"] = time.perf_counter() - t
                 if transport == "files":
                     written = store.write_version(work / "weights", version, tensors, step=version, replace=True)
                     row["write_s"] = written.seconds
                 else:
-                    t = time.perf_counter()
-                    if writing is not None:  # the publisher's written(): the registry stays in order
-                        await writing
-                    row["wait_write_s"] = time.perf_counter() - t
                     t = time.perf_counter()
                     sent = await broadcaster.send(version, tensors)
                     assert sent is not None and sent.error is None, sent

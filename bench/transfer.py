@@ -79,11 +79,12 @@ def make_tensors(nbytes: int, device):
 MEMBER = """
 import sys, time
 import torch.distributed
-from services.weightgroup import WeightGroup
+from services.weightgroup import WeightGroup, broadcast_key
 print("ready", flush=True)
 sys.stdin.readline()  # started like a vLLM worker: already running when the announcement comes
 t0 = time.perf_counter()
-tensors, digest = WeightGroup("127.0.0.1", int(sys.argv[1]), 1, 2, timeout_s=600.0, name="bench").receive()
+tensors, digest = WeightGroup("127.0.0.1", int(sys.argv[1]), 1, 2, key=broadcast_key(None), timeout_s=600.0,
+                              name="bench").receive()
 print(time.perf_counter() - t0, digest, flush=True)
 """
 
@@ -92,9 +93,9 @@ def broadcast(tensors) -> tuple[str, float, float]:
     """Stream ``tensors`` (host) to one member process over gloo; (digest, learner seconds, member seconds)."""
     import subprocess
 
-    from services.weightgroup import WeightGroup
+    from services.weightgroup import WeightGroup, broadcast_key
 
-    group = WeightGroup("127.0.0.1", 0, 0, 2, timeout_s=600.0, name="bench")
+    group = WeightGroup("127.0.0.1", 0, 0, 2, key=broadcast_key(None), timeout_s=600.0, name="bench")
     root = str(Path(__file__).resolve().parents[1])
     member = subprocess.Popen([sys.executable, "-c", MEMBER, str(group.port)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root},

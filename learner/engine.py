@@ -116,6 +116,9 @@ class LearnerEngine:
         """Spans of the step's parts (rank 0's trainer sets the run's; services.timeline)."""
         self.device = torch.device(get_accelerator().current_device_name())
         self._host: dict[str, torch.Tensor] = {}  # pinned host copies of the published weights (see _to_host)
+        self.host_buffers = self.device.type == "cuda"
+        """Gather published weights into host buffers reused at every publish (:meth:`_to_host`): on a GPU;
+        a test sets it on CPU to run that path."""
         seed_everything(cfg.learner.seed)
         lc = cfg.learner
         self.packed = lc.packing
@@ -351,17 +354,19 @@ class LearnerEngine:
         return out
 
     def _to_host(self, key: str, t: torch.Tensor, dtype: torch.dtype, *, copy: bool) -> torch.Tensor:
-        """``t`` as ``dtype`` in host memory, for writing. From a GPU: into a pinned buffer kept for
-        the next publish, asynchronously (the caller synchronizes). bench/transfer.py on an H200,
-        15.8 GB of bf16: pageable ``.to("cpu")`` 10.7 s (1.5 GB/s), pinned 0.29 s (55 GB/s); the
+        """``t`` as ``dtype`` in host memory, for writing. With :attr:`host_buffers` (a GPU): into a
+        pinned buffer kept for the next publish, asynchronously (the caller synchronizes), so the
+        tensors returned are valid until the next publish refills them: the publisher waits for a
+        version's files before it gathers the next (``learner.publisher``). bench/transfer.py on an
+        H200, 15.8 GB of bf16: pageable ``.to("cpu")`` 10.7 s (1.5 GB/s), pinned 0.29 s (55 GB/s); the
         buffers cost the model's size in pinned host memory on rank 0. On CPU: the tensor itself when
         it already has ``dtype`` (written before the next step changes it) unless ``copy`` (a gathered
         ZeRO-3 parameter is released when its context exits)."""
-        if t.device.type == "cuda":
+        if self.host_buffers:
             buf = self._host.get(key)
             if buf is None or buf.shape != t.shape or buf.dtype != dtype:
-                buf = self._host[key] = torch.empty(t.shape, dtype=dtype, pin_memory=True)
-            return buf.copy_(t, non_blocking=True)
+                buf = self._host[key] = torch.empty(t.shape, dtype=dtype, pin_memory=t.is_cuda)
+            return buf.copy_(t, non_blocking=t.is_cuda)
         host = t.to("cpu", dtype=dtype)
         return host.clone() if copy and host.data_ptr() == t.data_ptr() else host
 

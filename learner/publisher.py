@@ -24,9 +24,10 @@ them with the broker (``broker.weight_versions``), whose rollout servers load th
    decision is written to ``<run>/weights/retention.json``.
 
 With the broadcast, 3-5 run in the background (the write in a thread of its own) while the learner
-trains its next step: :meth:`Publisher.written` waits for them before the next publish, so the
-registry stays in order, and before a checkpoint, which must find its version registered at a resume.
-With files, the learner waits for all five.
+trains its next step: :meth:`Publisher.written` waits for them before the next publish's gather (the
+gather refills the host buffers that write reads on a GPU, and the registry stays in order), and
+before a checkpoint, which must find its version registered at a resume. With files, the learner
+waits for all five.
 
 A broadcast's failure never stops the learner: with no member, nothing is sent; a member that never
 joins or stops answering costs at most ``publish.broadcast_timeout_s`` per wait, then the broadcast
@@ -41,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,11 +93,13 @@ class Sent:
 class Broadcaster:
     """Rank 0's half of ``publish.transport = "broadcast"``: announce a version's group and stream it."""
 
-    def __init__(self, redis, keys: Keys, publish: PublishConfig, host: str) -> None:
+    def __init__(self, redis, keys: Keys, publish: PublishConfig, host: str, key: bytes) -> None:
         self.board = BroadcastBoard(redis, keys)
         self.ledger = Ledger(redis, keys)
         self.publish = publish
         self.host = host
+        self.key = key
+        """Signs each group's store (``services.weightgroup.broadcast_key``): only holders of the token join."""
 
     async def send(self, version: int, tensors: dict) -> Sent | None:
         """Stream ``version`` to the members now on the board; None when there is none."""
@@ -105,10 +109,11 @@ class Broadcaster:
         if not seats:
             return None
         t0, timeout = time.perf_counter(), self.publish.broadcast_timeout_s
-        name = f"v{version}"
+        name = f"v{version}-{secrets.token_hex(4)}"  # signatures bind it: none carries over from another group
         digest = error = None
         try:
-            group = await asyncio.to_thread(WeightGroup, self.host, 0, 0, world, timeout_s=timeout, name=name)
+            group = await asyncio.to_thread(WeightGroup, self.host, 0, 0, world, key=self.key, timeout_s=timeout,
+                                            name=name)
             # in the ledger first: a server may hold the version before anything else is recorded
             await self.ledger.append("broadcast", version=version, members=sorted(seats))
             await self.board.announce(Announcement(version=version, host=self.host, port=group.port, group=name,
@@ -142,7 +147,10 @@ class Publisher:
         self.broadcaster = None
         """With ``publish.transport = "broadcast"``: streams each version before its files are written."""
         if cfg.publish.transport == "broadcast" and settings.broadcast_host:
-            self.broadcaster = Broadcaster(redis, keys, cfg.publish, settings.broadcast_host)
+            from services.weightgroup import broadcast_key
+
+            self.broadcaster = Broadcaster(redis, keys, cfg.publish, settings.broadcast_host,
+                                           broadcast_key(settings.token))
         elif cfg.publish.transport == "broadcast":
             log.warning("publish.transport = 'broadcast', but this learner has no address the rollout servers "
                         "reach (TANDEM_LEARNER_BROADCAST_HOST is empty): versions go as files")
@@ -154,18 +162,21 @@ class Publisher:
 
         With ``publish.transport = "broadcast"`` the version is streamed to the servers in its group first
         and its files are written and registered in the background (:meth:`written` waits for them: before
-        the next publish, so the registry stays in order, and before a checkpoint, which must find its
-        version registered at a resume): the learner's next step does not wait for the disk."""
+        the next publish's gather, which may refill the buffers it reads, so a version's files hold its own
+        weights and the registry stays in order, and before a checkpoint, which must find its version
+        registered at a resume): the learner's next step does not wait for the disk."""
         import torch
 
         dtype = getattr(torch, self.cfg.model.dtype)
         t0 = time.perf_counter()
+        # before the gather: on a GPU it refills the host buffers the previous version's files are written
+        # from (LearnerEngine._to_host), which would write this version's bytes under that version's name
+        await self.written()
         tensors, layout = publish_tensors(self.engine, self.cfg, dtype)
         gather_s = time.perf_counter() - t0
         if self.broadcaster is None or layout:  # files (adapters are never broadcast: the config refuses it)
             await self._write(version, step, tensors, layout, resume=resume, t0=t0, gather_s=gather_s, sent=None)
             return
-        await self.written()
         with self.timeline.span("broadcast", "rank0", step=step, version=version):
             sent = await self.broadcaster.send(version, tensors)
         if self.engine.zero_stage != 3:  # unsharded tensors may be the live parameters the next step changes

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.settings import WorkerSettings, settings_config
 
@@ -34,10 +35,25 @@ class LearnerSettings(WorkerSettings):
     broadcast_host: str = "127.0.0.1"
     """The address of this learner that rollout servers reach to join a weight broadcast
     (TANDEM_LEARNER_BROADCAST_HOST; the run config's ``publish.transport = "broadcast"``): rank 0 hosts
-    each version's group store on a free port of it. The tensors themselves travel on the interface
-    gloo picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides). Empty: no
-    address the rollout servers can reach (a Modal deploy without ``[modal].i6pn``): the versions of a
+    each version's group store and its gloo sockets on free ports of this address alone. A member
+    joins only with TANDEM_TOKEN (the group's store is signed with a key derived from it), so an
+    address other than loopback needs a token. The tensors themselves travel on the interface gloo
+    picks from the host name (``GLOO_SOCKET_IFNAME`` overrides it, on both sides). Empty: no address
+    the rollout servers can reach (a Modal deploy without ``[modal].i6pn``): the versions of a
     broadcast run are written as files at once, with no ``publish.broadcast_timeout_s`` wait."""
+
+    @model_validator(mode="after")
+    def _broadcast_needs_a_token(self) -> LearnerSettings:
+        if not self.broadcast_host:
+            return self
+        try:
+            loopback = ipaddress.ip_address(self.broadcast_host).is_loopback
+        except ValueError:
+            loopback = self.broadcast_host == "localhost"
+        if not loopback and not (self.token and self.token.get_secret_value()):
+            raise ValueError(f"TANDEM_LEARNER_BROADCAST_HOST={self.broadcast_host} needs TANDEM_TOKEN: without it "
+                             "anyone who reaches that address could join the weight broadcast")
+        return self
 
     @property
     def holder_id(self) -> str:

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from rollout_server.adapters import AdapterTransport, Serving, lora_engine_args
 from rollout_server.errors import EngineDead, InvalidRequest
 from rollout_server.metrics import RolloutMetrics, stat_logger_factory
@@ -66,6 +68,7 @@ from rollout_server.settings import RolloutSettings
 from rollout_server.vllm_plugin import SPIN_VARIABLE
 from services import watchdog
 from services.config import WatchdogConfig
+from services.weightgroup import broadcast_key
 from services.weightstore import checkpoint_signature
 from services.wire import Sample
 
@@ -146,6 +149,7 @@ class RolloutEngine(PromptRendering, WeightReloads):
         version: int = 0,
         uri: str | None = None,
         volume: str | None = None,
+        token: SecretStr | None = None,
     ) -> None:
         self.llm = llm
         self.model_dir = model_dir
@@ -153,7 +157,8 @@ class RolloutEngine(PromptRendering, WeightReloads):
         self.vocab_size = vocab_size
         self.metrics = metrics
         self.logprobs_mode = logprobs_mode
-        super().__init__(model_dir, version=version, uri=uri, volume=volume)  # the served version (reload)
+        # the served version (reload); the token's key admits this server to the learner's weight groups
+        super().__init__(model_dir, version=version, uri=uri, volume=volume, broadcast_key=broadcast_key(token))
         self.limits = WatchdogConfig()
         """Bounds on reloads and generate calls (the run config's ``[watchdog]``; see :meth:`watch`)."""
         self.incidents: watchdog.IncidentSink | None = None
@@ -239,6 +244,7 @@ class RolloutEngine(PromptRendering, WeightReloads):
                 logprobs_mode=settings.logprobs_mode,
                 version=version,
                 volume=settings.run_dir_volume,
+                token=settings.token,
             )
             await engine._load_tokenizer()
             engine.workers = settings.tensor_parallel_size if settings.data_parallel_size == 1 else 0

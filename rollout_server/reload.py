@@ -99,13 +99,17 @@ class WeightReloads:
     ``alive``, ``dead_reason``, ``_broken``, ``_stalled`` and ``_fail`` (``engine``); ``start`` sets
     ``workers``, and ``adapters`` on an engine that serves LoRA adapters."""
 
-    def __init__(self, model_dir: Path, *, version: int, uri: str | None, volume: str | None) -> None:
+    def __init__(self, model_dir: Path, *, version: int, uri: str | None, volume: str | None,
+                 broadcast_key: bytes) -> None:
         self.volume = volume  # a Modal Volume to reload before reading a version (TANDEM_RUN_DIR_VOLUME)
         self.version = version
         self.uri = uri or str(model_dir)
         self.reload_s: float | None = None
         reference = checkpoint_signature(model_dir)
-        self.transports: list[WeightTransport] = [FilesystemTransport(reference), BroadcastTransport(reference)]
+        self.broadcast_key = broadcast_key
+        """Admits this server to the learner's weight groups (``services.weightgroup.broadcast_key``)."""
+        self.transports: list[WeightTransport] = [FilesystemTransport(reference),
+                                                  BroadcastTransport(reference, broadcast_key)]
         self.workers = 1
         """vLLM workers this engine runs (its tensor-parallel size): the ranks it takes in a weight group;
         0 under vLLM data parallelism, whose replicas' workers one ``collective_rpc`` does not reach (it joins none)."""

@@ -211,10 +211,13 @@ class BroadcastTransport:
     is paused: every vLLM worker joins the group, receives the buckets, compares its digest with the
     learner's and only then loads the tensors in place (``worker_ext.tandem_receive_weights``). The
     version's files, written behind the broadcast, stay the way back for a server that misses one.
+    ``key`` (``weightgroup.broadcast_key`` of the server's token) checks the learner's store and signs
+    this server's part of it.
     """
 
-    def __init__(self, reference: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, reference: dict[str, tuple[int, ...]], key: bytes) -> None:
         self.reference = reference
+        self.key = key
 
     def accepts(self, uri: str) -> bool:
         return uri.startswith(weightgroup.SCHEME)
@@ -228,7 +231,8 @@ class BroadcastTransport:
         except ValueError as e:
             raise WeightLoadError(422, str(e)) from e
         try:
-            entries = weightgroup.read_manifest(seat.host, seat.port, timeout_s=seat.timeout_s, name=seat.group)
+            entries = weightgroup.read_manifest(seat.host, seat.port, key=self.key, timeout_s=seat.timeout_s,
+                                                name=seat.group)
         except weightgroup.BroadcastFailed as e:
             raise WeightLoadError(503, f"version {request.version}: {e}") from e
         fits(weightgroup.signature(entries), self.reference, request.version)
@@ -240,7 +244,7 @@ class BroadcastTransport:
         seat: weightgroup.Invitation = prepared.location
         why = await llm.collective_rpc("tandem_receive_weights", kwargs={
             "host": seat.host, "port": seat.port, "rank": seat.rank, "world": seat.world, "group": seat.group,
-            "timeout_s": seat.timeout_s,
+            "timeout_s": seat.timeout_s, "key": self.key.hex(),
         })
         failed = [w for w in why if w is not None]
         if failed and len(failed) < len(why):

@@ -28,16 +28,17 @@ class TandemWorkerExtension:
         return self._tandem_refresh_tied_head()
 
     def tandem_receive_weights(self, host: str, port: int, rank: int, world: int, group: str,
-                               timeout_s: float) -> str | None:
+                               timeout_s: float, key: str) -> str | None:
         """Join the learner's weight group for one version as ``rank`` (plus this worker's own rank among
         the server's workers), receive the tensors, check the learner's digest and load them in place with
         the same post-load processing as a file reload. Returns None once loaded, else why nothing was
         loaded (the group failed or the digest differs: the weights are untouched; ``services.weightgroup``).
-        A failure inside the load itself raises, as a file reload's does."""
+        A failure inside the load itself raises, as a file reload's does. ``key``: the run's broadcast key, hex."""
         from services.weightgroup import BroadcastFailed, WeightGroup
 
         try:
-            member = WeightGroup(host, port, rank + getattr(self, "rank", 0), world, timeout_s=timeout_s, name=group)
+            member = WeightGroup(host, port, rank + getattr(self, "rank", 0), world, key=bytes.fromhex(key),
+                                 timeout_s=timeout_s, name=group)
             tensors, _ = member.receive()
         except BroadcastFailed as e:
             return str(e)

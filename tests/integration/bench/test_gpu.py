@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.slow
 @pytest.mark.long  # over 15 s in make test (39 s at 2dc2538)
 @pytest.mark.deepspeed
-def test_gpu_bench_runs_the_learner_step_publish_packing_and_broadcast_on_a_tiny_model(tmp_path):
+def test_gpu_bench_runs_the_learner_step_publish_packing_broadcast_and_version_check_on_a_tiny_model(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -40,6 +40,9 @@ def test_gpu_bench_runs_the_learner_step_publish_packing_and_broadcast_on_a_tiny
     assert packing["packed_over_padded"] > 0
     b = report["broadcast"]  # gloo between this process and a member (bench/transfer.py asserts the digest)
     assert b["backend"] == "gloo" and b["bytes"] == 50_000_000 and b["gb_per_s"] > 0
+    v = report["published_versions"]  # ZeRO-3, files written behind a broadcast from reused host buffers
+    assert v["host_buffers"] and v["zero_stage"] == 3 and v["distinct_versions"] == v["versions"] == 3
+    assert v["mismatched"] == []
 
 
 @pytest.mark.long  # over 25 s in make test (docs/testing.md): make test-long runs it

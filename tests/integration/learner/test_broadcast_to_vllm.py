@@ -47,7 +47,8 @@ async def test_a_broadcast_version_serves_the_learners_log_probs(one_rank_runs, 
     version = weight_versions.next_version()
 
     await board.join("rollout-a", engine.workers)
-    learner = Broadcaster(redis, keys, PublishConfig(transport="broadcast", broadcast_timeout_s=60), "127.0.0.1")
+    learner = Broadcaster(redis, keys, PublishConfig(transport="broadcast", broadcast_timeout_s=60), "127.0.0.1",
+                          engine.broadcast_key)
     sending = asyncio.create_task(learner.send(version, tensors))
     a = await board.wait_seat("rollout-a", engine.version, timeout_s=60)
     assert a is not None and a.version == version and a.world == 1 + engine.workers

@@ -28,7 +28,7 @@ def _fingerprint(tensors: dict) -> str:
 async def _member(redis, keys, received: dict[int, str], stop: asyncio.Event) -> None:
     """A rollout server's broadcast watcher, without vLLM: join, wait for a seat, receive."""
     from broker.broadcast import BroadcastBoard
-    from services.weightgroup import WeightGroup
+    from services.weightgroup import WeightGroup, broadcast_key
 
     board, after = BroadcastBoard(redis, keys), 0
     while not stop.is_set():
@@ -36,7 +36,8 @@ async def _member(redis, keys, received: dict[int, str], stop: asyncio.Event) ->
         a = await board.wait_seat("member", after, timeout_s=1.0)
         if a is None:
             continue
-        group = WeightGroup(a.host, a.port, a.seats["member"], a.world, timeout_s=a.timeout_s, name=a.group)
+        group = WeightGroup(a.host, a.port, a.seats["member"], a.world, key=broadcast_key(None),  # the learner has no token
+                            timeout_s=a.timeout_s, name=a.group)
         tensors, _digest = await asyncio.to_thread(group.receive)
         received[a.version] = _fingerprint(tensors)
         after = a.version

@@ -41,7 +41,7 @@ async def test_an_actor_receives_a_broadcast_then_catches_up_from_files(actor_fa
     v = weight_versions.next_version()
     d = weight_versions.weights_of_seed(130)
     weight_versions.dirs[v] = d
-    sent = await Broadcaster(redis, keys, config.publish, "127.0.0.1").send(v, load_file(d / "model.safetensors"))
+    sent = await Broadcaster(redis, keys, config.publish, "127.0.0.1", engine.broadcast_key).send(v, load_file(d / "model.safetensors"))
     assert sent.error is None and sent.members == [actor.server_id], sent
 
     async def serving_v() -> bool:

@@ -54,7 +54,7 @@ async def test_an_actor_cancelled_at_the_swap_still_records_the_version_it_serve
 
         await _until(joined, "the actor joining the board")
         weight_versions.dirs[v] = d = weight_versions.weights_of_seed(141)
-        sent = await Broadcaster(redis, keys, config.publish, "127.0.0.1").send(v, load_file(d / "model.safetensors"))
+        sent = await Broadcaster(redis, keys, config.publish, "127.0.0.1", engine.broadcast_key).send(v, load_file(d / "model.safetensors"))
         assert sent.error is None and sent.members == [actor.server_id], sent
         event, fields = "received", {}
 

@@ -23,10 +23,12 @@ PROMPT = "The answer is"
 ATOL = 2e-3  # the project's tolerance between two computations of the same weights (tests/integration/rollout_server/test_http.py)
 
 
-def _learner(tensors: dict, version: int, timeout_s: float = 60.0, cls=WeightGroup) -> tuple[Invitation, threading.Thread, list]:
-    """Rank 0 of a 2-rank group sending ``tensors`` in a thread; (the engine's seat, the thread, [digest or error])."""
+def _learner(engine, tensors: dict, version: int, timeout_s: float = 60.0,
+             cls=WeightGroup) -> tuple[Invitation, threading.Thread, list]:
+    """Rank 0 of a 2-rank group sending ``tensors`` to ``engine`` in a thread, signed with the engine's key;
+    (the engine's seat, the thread, [digest or error])."""
     port, out = free_port(), []
-    group = cls("127.0.0.1", port, 0, 2, timeout_s=timeout_s, name=f"v{version}")
+    group = cls("127.0.0.1", port, 0, 2, key=engine.broadcast_key, timeout_s=timeout_s, name=f"v{version}")
 
     def send() -> None:
         try:
@@ -56,7 +58,7 @@ async def test_logprobs_after_a_broadcast_equal_those_after_a_file_reload(rollou
     d = weight_versions.weights_of_seed(121)
     v = weight_versions.next_version()
     weight_versions.dirs[v] = d
-    seat, sender, sent = _learner(load_file(d / "model.safetensors"), v)
+    seat, sender, sent = _learner(engine, load_file(d / "model.safetensors"), v)
     status = await engine.load_weights(LoadWeights(version=v, uri=seat.uri))
     sender.join(30)
     assert isinstance(sent[0], str), sent
@@ -88,7 +90,7 @@ async def test_a_broadcast_whose_digest_differs_is_refused_and_the_old_version_k
     await engine.load_weights(weight_versions.make(seed=122))
     kept, before = engine.version, await _greedy(engine, ids)
     v = weight_versions.next_version()
-    seat, sender, _ = _learner(load_file(weight_versions.weights_of_seed(123) / "model.safetensors"), v,
+    seat, sender, _ = _learner(engine, load_file(weight_versions.weights_of_seed(123) / "model.safetensors"), v,
                                cls=LyingLearner)
     with pytest.raises(WeightLoadError, match="digest"):
         await engine.load_weights(LoadWeights(version=v, uri=seat.uri))
@@ -106,7 +108,7 @@ async def test_a_broadcast_of_another_model_is_refused_before_the_engine_is_touc
     engine = rollout_engine
     kept = engine.version
     v = weight_versions.next_version()
-    seat, sender, _ = _learner({"model.embed_tokens.weight": torch.zeros(3, 2)}, v, timeout_s=3.0)
+    seat, sender, _ = _learner(engine, {"model.embed_tokens.weight": torch.zeros(3, 2)}, v, timeout_s=3.0)
     with pytest.raises(WeightLoadError, match="does not fit the served model") as e:
         await engine.load_weights(LoadWeights(version=v, uri=seat.uri))
     assert e.value.status == 422 and engine.version == kept
@@ -118,7 +120,7 @@ LEARNER = """
 import sys, time
 from safetensors.torch import load_file
 from services.weightgroup import WeightGroup, encode, manifest
-g = WeightGroup("127.0.0.1", 0, 0, 2, timeout_s=60.0, name=sys.argv[2])
+g = WeightGroup("127.0.0.1", 0, 0, 2, key=bytes.fromhex(sys.argv[3]), timeout_s=60.0, name=sys.argv[2])
 g.store.set("bucket_bytes", str(1 << 16))
 g.store.set("manifest", encode(manifest(load_file(sys.argv[1]))))  # what send() does first
 print(g.port, flush=True)
@@ -141,7 +143,7 @@ async def test_a_learner_killed_mid_broadcast_leaves_the_engine_serving_the_old_
     kept, before = engine.version, await _greedy(engine, ids)
     v = weight_versions.next_version()
     learner = subprocess.Popen([sys.executable, "-c", LEARNER, str(weight_versions.weights_of_seed(125) /
-                                                                    "model.safetensors"), f"v{v}"],
+                                                                    "model.safetensors"), f"v{v}", engine.broadcast_key.hex()],
                                stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         port = int(await asyncio.to_thread(learner.stdout.readline))

@@ -88,3 +88,16 @@ def test_tandem_config_prints_effective_settings_with_secrets_masked(monkeypatch
     assert shown["control"]["redis_url"] == "redis://**********@example:6379/0"
     one = CliRunner().invoke(app, ["config", "rollout"])
     assert json.loads(one.output)["max_n"] == 7
+
+
+def test_a_broadcast_host_beyond_loopback_needs_a_token(monkeypatch):
+    """Without TANDEM_TOKEN the weight groups' key is public: only loopback may host them."""
+    from pydantic import SecretStr, ValidationError
+
+    from learner.settings import LearnerSettings
+
+    clean_env(monkeypatch)
+    LearnerSettings(broadcast_host="127.0.0.1")
+    LearnerSettings(broadcast_host="10.1.2.3", token=SecretStr("a-long-enough-token-for-tests"))
+    with pytest.raises(ValidationError, match="TANDEM_LEARNER_BROADCAST_HOST=10.1.2.3 needs TANDEM_TOKEN"):
+        LearnerSettings(broadcast_host="10.1.2.3")
