@@ -87,21 +87,21 @@ CAPITALS = {"paris": "france", "rome": "italy", "madrid": "spain"}
 
 
 def lookup(args: str) -> str:
-    """A plain user tool (run in a thread by the tool box)."""
+    """A plain user tool (run in the tool pool's worker processes, as every user tool)."""
     return CAPITALS.get(args.strip(), "unknown")
 
 
 REMOTE_S = 0.2
+REMOTE_VARIABLE = "BENCH_EPISODES_REMOTE_S"
+"""The 'remote' tool's wait, passed to the tool pool's workers through their environment."""
+USER_TOOLS = {"lookup": "bench.episodes:lookup", "remote": "bench.episodes:remote"}
 
 
-def remote_tool(wait_s: float = REMOTE_S):
-    """A coroutine user tool that waits ``wait_s`` (a remote API, say) and answers its args in capitals."""
-
-    async def remote(args: str) -> str:
-        await asyncio.sleep(wait_s)
-        return args.strip().upper()
-
-    return remote
+async def remote(args: str) -> str:
+    """A coroutine user tool that waits (a remote API, say; :data:`REMOTE_VARIABLE`) and answers its args
+    in capitals."""
+    await asyncio.sleep(float(os.environ.get(REMOTE_VARIABLE, REMOTE_S)))
+    return args.strip().upper()
 
 
 # -- the model ----------------------------------------------------------------------
@@ -169,8 +169,8 @@ class TimedToolBox(ToolBox):
 
     log: list[ToolCall] = field(default_factory=list)
 
-    def session(self) -> Session:
-        return TimedSession(self)
+    def session(self, budget_s: float | None = None) -> Session:
+        return TimedSession(self, self.limits.episode_s)
 
 
 @dataclass
@@ -235,10 +235,14 @@ class Bench:
     temperature: float
 
     @classmethod
-    def around(cls, engine, reward_client, reward_pid: int | None, temperature: float = 0.3,
-               remote_s: float = REMOTE_S) -> Bench:
+    async def around(cls, engine, reward_client, reward_pid: int | None, temperature: float = 0.3,
+                     remote_s: float = REMOTE_S) -> Bench:
+        """The bench's tools around ``engine``; the caller closes ``bench.box.user``."""
+        from rollout_server.tool_pool import ToolPool
+
+        os.environ[REMOTE_VARIABLE] = repr(remote_s)  # read by the pool's workers, which inherit it
         sandbox = SandboxLog(reward_client)
-        box = TimedToolBox(reward=sandbox, user={"lookup": lookup, "remote": remote_tool(remote_s)})
+        box = TimedToolBox(reward=sandbox, user=await ToolPool(USER_TOOLS).start())
         return cls(TimedEngine(engine), box, sandbox, reward_pid, temperature)
 
     async def group(self, prompt: str, n: int):
@@ -305,7 +309,15 @@ class Bench:
 async def measure(engine, reward_client, *, episodes: int, concurrency: int, reward_pid: int | None = None,
                   temperature: float = 0.3, remote_s: float = REMOTE_S) -> dict:
     """All four measurements on a started engine serving the scripts' weights and a reward client."""
-    bench = Bench.around(engine, reward_client, reward_pid, temperature, remote_s)
+    bench = await Bench.around(engine, reward_client, reward_pid, temperature, remote_s)
+    try:
+        return await _measure(bench, episodes=episodes, concurrency=concurrency, temperature=temperature,
+                              remote_s=remote_s)
+    finally:
+        await bench.box.user.close()
+
+
+async def _measure(bench: Bench, *, episodes: int, concurrency: int, temperature: float, remote_s: float) -> dict:
     for prompt in SCRIPTS:  # warm-up: the first request and the first sandbox pay once
         await bench.group(prompt, 1)
     bench.box.log.clear()
