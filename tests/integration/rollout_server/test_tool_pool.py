@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from rollout_server.tool_pool import ToolPool
 from rollout_server.tools import Call, ToolBox, ToolLimits, user_tools
 
 TOOLS = {name: f"tests.episode_tools:{name}" for name in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_server.tool_pool import ToolPool, import_tools
 from rollout_server.tools import (
     MAX_OBSERVATION_CHARS,
     Call,
@@ -16,7 +17,6 @@ from rollout_server.tools import (
     observation,
     parse_call,
 )
-from rollout_server.tool_pool import ToolPool, import_tools
 
 
 @pytest.mark.parametrize(("expression", "value"), [
