@@ -159,7 +159,7 @@ async def test_a_flood_of_slow_tool_calls_does_not_delay_a_weight_reload(
     await rollout_engine.load_weights(weight_versions.make(seed=11))
     alone_s = time.monotonic() - t0
 
-    rs = RolloutSettings(token=SecretStr("t"), tools=TOOLS, tool_workers=2)
+    rs = RolloutSettings(token=SecretStr("a-test-token-of-enough-length"), tools=TOOLS, tool_workers=2)
     async with serve_app(build_app(rs, engine=rollout_engine)) as running:
         tools = running.app.state.tools
         flood = [asyncio.create_task(tools.session().answer(Call(name, str(SLOW_S)), ALL, SLOW_S + 2))
