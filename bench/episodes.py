@@ -13,7 +13,7 @@ wrappers.
 
 1. *tool-call latency*: p50/p95 of one call per tool: ``calculator``, ``python`` (a sandbox session:
    each call replays the session's earlier cells in a fresh sandbox, so its cost grows with the call's
-   rank), a user tool ``lookup`` (a plain function: it runs in a thread) and ``remote`` (a coroutine
+   rank), a user tool ``lookup`` (a plain function, in the tool pool's workers) and ``remote`` (a coroutine
    that waits ``--remote-s``, standing for a remote API).
 2. *sandbox session cost per episode*: episodes with 1, 2 and 4 python calls, one at a time: the
    wall the calls add, the CPU-seconds the sandboxed programs report, and the CPU-seconds of the whole
@@ -53,6 +53,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.episode_tools import REMOTE_S, REMOTE_VARIABLE  # noqa: E402
 from rollout_server.episodes import run_episodes  # noqa: E402
 from rollout_server.tools import Call, Session, ToolBox  # noqa: E402
 from services import wire  # noqa: E402
@@ -83,25 +84,8 @@ def script_text(prompt: str) -> str:
 
 # -- the user tools ---------------------------------------------------------------
 
-CAPITALS = {"paris": "france", "rome": "italy", "madrid": "spain"}
-
-
-def lookup(args: str) -> str:
-    """A plain user tool (run in a thread by the tool box)."""
-    return CAPITALS.get(args.strip(), "unknown")
-
-
-REMOTE_S = 0.2
-
-
-def remote_tool(wait_s: float = REMOTE_S):
-    """A coroutine user tool that waits ``wait_s`` (a remote API, say) and answers its args in capitals."""
-
-    async def remote(args: str) -> str:
-        await asyncio.sleep(wait_s)
-        return args.strip().upper()
-
-    return remote
+USER_TOOLS = {"lookup": "bench.episode_tools:lookup", "remote": "bench.episode_tools:remote"}
+"""The bench's user tools, run in the tool pool's worker processes as a server runs them."""
 
 
 # -- the model ----------------------------------------------------------------------
@@ -169,8 +153,8 @@ class TimedToolBox(ToolBox):
 
     log: list[ToolCall] = field(default_factory=list)
 
-    def session(self) -> Session:
-        return TimedSession(self)
+    def session(self, budget_s: float | None = None) -> Session:
+        return TimedSession(self, self.limits.episode_s)
 
 
 @dataclass
@@ -235,10 +219,15 @@ class Bench:
     temperature: float
 
     @classmethod
-    def around(cls, engine, reward_client, reward_pid: int | None, temperature: float = 0.3,
-               remote_s: float = REMOTE_S) -> Bench:
+    async def around(cls, engine, reward_client, reward_pid: int | None, temperature: float = 0.3,
+                     remote_s: float = REMOTE_S, workers: int = 4) -> Bench:
+        """The bench's tools around ``engine``; the caller closes ``bench.box.user``."""
+        from rollout_server.tool_pool import ToolPool
+
+        os.environ[REMOTE_VARIABLE] = repr(remote_s)  # read by the pool's workers, which inherit it
         sandbox = SandboxLog(reward_client)
-        box = TimedToolBox(reward=sandbox, user={"lookup": lookup, "remote": remote_tool(remote_s)})
+        # a worker per episode in flight (a server sets tool_workers so): the bench measures overlapped waits
+        box = TimedToolBox(reward=sandbox, user=await ToolPool(USER_TOOLS, workers).start())
         return cls(TimedEngine(engine), box, sandbox, reward_pid, temperature)
 
     async def group(self, prompt: str, n: int):
@@ -305,7 +294,16 @@ class Bench:
 async def measure(engine, reward_client, *, episodes: int, concurrency: int, reward_pid: int | None = None,
                   temperature: float = 0.3, remote_s: float = REMOTE_S) -> dict:
     """All four measurements on a started engine serving the scripts' weights and a reward client."""
-    bench = Bench.around(engine, reward_client, reward_pid, temperature, remote_s)
+    bench = await Bench.around(engine, reward_client, reward_pid, temperature, remote_s,
+                               workers=concurrency * len(CONCURRENCY_SCRIPTS))
+    try:
+        return await _measure(bench, episodes=episodes, concurrency=concurrency, temperature=temperature,
+                              remote_s=remote_s)
+    finally:
+        await bench.box.user.close()
+
+
+async def _measure(bench: Bench, *, episodes: int, concurrency: int, temperature: float, remote_s: float) -> dict:
     for prompt in SCRIPTS:  # warm-up: the first request and the first sandbox pay once
         await bench.group(prompt, 1)
     bench.box.log.clear()

@@ -27,6 +27,7 @@ from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.openai_api import router as openai_router
 from rollout_server.settings import RolloutSettings
+from rollout_server.tools import ToolBox
 from services.app import create_app
 from services.config import RunConfig
 from services.serving import EXIT_STARTUP_FAILED, log_to_stderr, run_server
@@ -76,15 +77,16 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
         actor_task = None
         closers = []
         try:
-            app.state.tools, closers = _http_tools(eng, rs, metrics)
+            tools, closers = await _tools(eng, rs, metrics)
+            app.state.tools = tools
             if config is not None and rs.run_id:
-                actor_task, more = await _start_actor(eng, rs, config, metrics)
+                actor_task, more = await _start_actor(eng, rs, config, metrics, tools)
                 closers += more
             elif rs.redis_url:
                 # stack mode (tandem up, docker-compose): serve whichever run the control plane activates
                 from rollout_server.follower import follow_runs
 
-                actor_task = asyncio.create_task(follow_runs(eng, rs, metrics), name="follower")
+                actor_task = asyncio.create_task(follow_runs(eng, rs, metrics, tools), name="follower")
             watchdog = asyncio.create_task(_watchdog(app, eng, actor_task, rs.fatal_grace_s), name="watchdog")
             try:
                 yield
@@ -114,21 +116,25 @@ def build_app(rs: RolloutSettings, config: RunConfig | None = None, *, engine: R
     return app
 
 
-def _http_tools(eng: RolloutEngine, rs: RolloutSettings, metrics: RolloutMetrics):
-    """The tools of episodes asked for over ``/v1/generate`` (held-out evaluation of episode lines), as an
-    actor's: the calculator, the user tools, python in the reward server's sandboxes; and their closers."""
-    from rollout_server.tools import ToolBox, load_user_tools
+async def _tools(eng: RolloutEngine, rs: RolloutSettings, metrics: RolloutMetrics):
+    """The server's tools: the calculator, the user tools (one pool of worker processes for the whole
+    server, ``rs.tool_workers``), python in the reward server's sandboxes, within ``rs``'s limits; and
+    their closers. Episodes asked for over ``/v1/generate`` (held-out evaluation of episode lines) use
+    them as they are; an actor gives them its run's reward client and incident log."""
+    from rollout_server.tools import ToolLimits, user_tools
     from services.clients import RewardClient
 
+    pool = await user_tools(rs.tools, rs.tool_workers)  # a tool that cannot be imported stops the server
     reward = RewardClient(rs.reward_url, rs.reward_bearer, timeout_s=rs.score_timeout_s)
-    tools = ToolBox(reward=reward, user=load_user_tools(rs.tools), source=eng.source, metrics=metrics)
-    return tools, [reward.aclose]
+    tools = ToolBox(reward=reward, user=pool, limits=ToolLimits(rs.tool_timeout_s, rs.tool_episode_s),
+                    source=eng.source, metrics=metrics)
+    return tools, [pool.close, reward.aclose]
 
 
-async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics):
+async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfig, metrics: RolloutMetrics,
+                       tools: ToolBox):
     from broker import Keys, connect
     from rollout_server.actor import reward_client
-    from rollout_server.tools import ToolBox, load_user_tools
     from services.timeline import Timeline
 
     if not rs.redis_url:
@@ -148,7 +154,7 @@ async def _start_actor(eng: RolloutEngine, rs: RolloutSettings, config: RunConfi
         server_id=rs.name,
         metrics=metrics,
         concurrency=rs.actor_concurrency,
-        tools=ToolBox(user=load_user_tools(rs.tools)),
+        tools=tools,
     )
     return asyncio.create_task(actor.run(), name="actor"), [reward.aclose, redis.aclose, timeline.stop_async]
 

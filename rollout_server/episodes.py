@@ -64,7 +64,8 @@ async def run_episodes(engine: RolloutEngine, prompt_ids: list[int], sampling: S
     evaluation's) gives episode k the seed ``seed * n + k``: n episodes of one seed would be n copies."""
     done = await asyncio.gather(*[
         run_episode(engine, prompt_ids, sampling if sampling.seed is None
-                    else dataclasses.replace(sampling, seed=sampling.seed * n + k), spec, tools.session())
+                    else dataclasses.replace(sampling, seed=sampling.seed * n + k), spec,
+                    tools.session(spec.tool_budget_s))
         for k in range(n)])
     return EpisodeGeneration(list(prompt_ids), [d[0] for d in done], [d[1] for d in done], [d[2] for d in done])
 

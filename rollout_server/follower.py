@@ -27,7 +27,7 @@ from rollout_server.adapters import misfit
 from rollout_server.engine import RolloutEngine
 from rollout_server.metrics import RolloutMetrics
 from rollout_server.settings import RolloutSettings
-from rollout_server.tools import ToolBox, load_user_tools
+from rollout_server.tools import ToolBox
 from services.config import serves_model
 from services.runs import ActiveRun, MetricsLog, RunStore, RunWatcher
 from services.timeline import Timeline
@@ -36,10 +36,10 @@ log = logging.getLogger("tandem.rollout")
 
 
 async def follow_runs(
-    engine: RolloutEngine, rs: RolloutSettings, metrics: RolloutMetrics, *, poll_s: float = 0.5, report_s: float = 5.0
+    engine: RolloutEngine, rs: RolloutSettings, metrics: RolloutMetrics, tools: ToolBox, *, poll_s: float = 0.5,
+    report_s: float = 5.0
 ) -> None:
-    """Serve active runs one after the other, until cancelled."""
-    user_tools = load_user_tools(rs.tools)  # a tool that cannot be imported stops the server at start
+    """Serve active runs one after the other, until cancelled, with the server's ``tools``."""
     redis = connect(rs.redis_url)
     runs = RunWatcher(RunStore(redis), poll_s=poll_s)
     try:
@@ -58,7 +58,7 @@ async def follow_runs(
             timeline = Timeline(rs.redis_url, keys, f"rollout:{rs.name}").start()
             actor = Actor(engine, redis=redis, keys=keys, config=run.config, reward=reward,
                           server_id=rs.name, metrics=metrics, concurrency=rs.actor_concurrency, timeline=timeline,
-                          tools=ToolBox(user=user_tools))
+                          tools=tools)
             task = asyncio.create_task(actor.run(), name=f"actor-{run.run_id}")
             log.info("serving run %s", run.run_id)
             try:

@@ -159,7 +159,8 @@ class WeightReloads:
             transport = self._transport(request.uri)
             try:
                 if self.volume:
-                    await asyncio.to_thread(self._reload_volume)
+                    # a thread of its own: the default pool is shared with whatever else the process runs
+                    await watchdog.in_thread(self._reload_volume, name=PREPARE_THREAD)
                 prepared = await self._prepare(transport, request)
             except WeightLoadError:
                 self.metrics.reloads.labels("refused").inc()

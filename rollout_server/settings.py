@@ -86,7 +86,17 @@ class RolloutSettings(WorkerSettings):
     """Per-attempt timeout of the reward server's ``POST /v1/score``."""
     tools: dict[str, str] = Field(default_factory=dict)
     """User tools an episode may call (TANDEM_ROLLOUT_TOOLS, JSON ``{"name": "module:function"}``): Python
-    functions importable here, never sent as code (``rollout_server.tools``)."""
+    functions importable here, never sent as code; they run in worker processes of their own
+    (``rollout_server.tool_pool``)."""
+    tool_workers: int = Field(default=4, ge=1)
+    """User-tool calls this server runs at once, each in a worker process of its own; further calls wait for
+    a free worker within their own timeout, so no prompt set can make more tool processes run."""
+    tool_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest one tool call may take (user tools and ``python``): a line's ``episode.tool_timeout_s`` above
+    it is lowered to it. A user tool past it has its worker process killed."""
+    tool_episode_s: float = Field(default=300.0, gt=0)
+    """Tool time one episode may spend over all its calls: a line's ``episode.tool_budget_s`` above it (or
+    unset) is lowered to it; once it is spent, further calls are answered with an error."""
     fatal_grace_s: float = Field(default=2.0, ge=0)
     """After the engine dies, how long /healthz reports 503 before the process exits (non-zero)."""
 

@@ -3,7 +3,7 @@ r"""The tools an episode's model may call (``rollout_server.episodes``), and the
 **Call format.** The model calls a tool by writing ``<tool>NAME: ARGS</tool>``; generation stops at
 :data:`CLOSE` (a stop string), the call is run, and its answer is appended as the observation
 ``<result>OUTPUT</result>``, or ``<error>WHY</error>`` when the call is malformed, names a tool the
-episode does not allow, fails or runs past ``episode.tool_timeout_s``. Nothing a tool does ends the
+episode does not allow, fails or runs past its time (**Limits**). Nothing a tool does ends the
 episode or loses its group: every failure is an observation the model reads. An observation is cut
 to :data:`MAX_OBSERVATION_CHARS` characters.
 
@@ -20,31 +20,38 @@ to :data:`MAX_OBSERVATION_CHARS` characters.
 - user tools: Python functions installed beside the rollout server, named in its settings
   (``TANDEM_ROLLOUT_TOOLS``, a JSON map ``{"name": "module:function"}``), never sent as code. The
   function gets ARGS as one string and returns a string (or anything ``str()`` turns into one); a
-  coroutine function is awaited. A synchronous one runs in a thread; past the timeout it is
-  abandoned (Python cannot stop a thread) and the call answers with an error.
+  coroutine function is run to its end. They run in worker processes of their own
+  (``rollout_server.tool_pool``), never on the server's event loop or in its threads; a call past its
+  timeout kills its worker.
 
-Every call is bounded by the episode's ``tool_timeout_s`` through ``services.watchdog.bounded``: a call
-past it is recorded as an incident of the run (field ``episode.tool_timeout_s``) and answered with an
-error observation.
+**Limits.** The server's operator bounds what a prompt line may ask for (:class:`ToolLimits`, the rollout
+settings); a line's ``episode`` fields can lower each bound, never raise it:
+
+- per call: the line's ``tool_timeout_s``, at most the server's ``tool_timeout_s``;
+- per episode: the tool time of all its calls together, the line's ``tool_budget_s``, at most the
+  server's ``tool_episode_s``; a call once it is spent is refused with an error observation;
+- per server: at most ``tool_workers`` user-tool calls run at once (the pool's workers); the others wait
+  for one, within their own timeout.
+
+A call past its bound is recorded as an incident of the run (the bound's field, through
+``services.watchdog.bounded``) and answered with an error observation.
 
 Each call is counted in ``tandem_rollout_tool_calls{tool, outcome}`` (``ok``, ``error``: the tool failed,
-``timeout``, ``refused``: malformed or not allowed) and timed in ``tandem_rollout_tool_call_seconds{tool}``.
+``timeout``, ``refused``: malformed, not allowed, or the episode's tool time spent) and timed in
+``tandem_rollout_tool_call_seconds{tool}``.
 """
 
 from __future__ import annotations
 
 import ast
-import asyncio
-import importlib
-import inspect
 import math
 import operator
 import re
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rollout_server.tool_pool import ToolFailed, ToolPool
 from services import watchdog
 from services.clients import RewardClient
 from services.reward_specs import Limits
@@ -195,60 +202,79 @@ class PythonSession:
 
 # -- the tool box -----------------------------------------------------------------
 
-UserTool = Callable[[str], object | Awaitable[object]]
+
+@dataclass(frozen=True)
+class ToolLimits:
+    """The operator's bounds on tool calls (the rollout server's ``tool_timeout_s`` and ``tool_episode_s``;
+    module docstring, **Limits**): a line's ``episode`` fields may lower them, never raise them."""
+
+    call_s: float = 60.0
+    episode_s: float = 300.0
 
 
-def load_user_tools(named: dict[str, str]) -> dict[str, UserTool]:
-    """``{"name": "module:function"}`` -> the functions, imported now (an error names the tool)."""
-    out = {}
+CALL_FIELD, EPISODE_FIELD = "TANDEM_ROLLOUT_TOOL_TIMEOUT_S", "TANDEM_ROLLOUT_TOOL_EPISODE_S"
+
+
+def check_user_tools(named: dict[str, str]) -> dict[str, str]:
+    """``{"name": "module:function"}`` as the settings give it; a bad name or target raises ``ValueError``
+    naming the tool (whether it imports, :meth:`ToolPool.start` checks)."""
     for name, target in named.items():
         if not re.fullmatch(TOOL_NAME, name) or name in BUILTIN:
             raise ValueError(f"tool {name!r}: a user tool's name must match {TOOL_NAME} and not be {BUILTIN}")
         module, _, attr = target.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"tool {name!r}: cannot import {target!r}: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"tool {name!r}: {target!r} is not a function")
-        out[name] = fn
-    return out
+        if not module or not attr:
+            raise ValueError(f"tool {name!r}: {target!r} is not 'module:function'")
+    return named
+
+
+async def user_tools(named: dict[str, str], workers: int) -> ToolPool:
+    """The pool of the server's user tools ``named``, started: a tool that cannot be imported raises
+    ``ValueError`` (the server stops at start). The caller closes it."""
+    return await ToolPool(check_user_tools(named), workers).start()
 
 
 @dataclass
 class ToolBox:
-    """The tools this rollout server offers: the built-ins and its user tools. ``reward`` (the reward
-    server's client) backs ``python``; ``sink`` records calls past their timeout as incidents; ``metrics``
-    counts and times the calls."""
+    """The tools this rollout server offers: the built-ins and its user tools (``user``, the pool of
+    their worker processes). ``reward`` (the reward server's client) backs ``python``; ``limits`` bound
+    the calls; ``sink`` records calls past their bound as incidents; ``metrics`` counts and times them."""
 
     reward: RewardClient | None = None
-    user: dict[str, UserTool] = field(default_factory=dict)
+    user: ToolPool | None = None
+    limits: ToolLimits = field(default_factory=ToolLimits)
     sink: watchdog.IncidentSink | None = None
     source: str = "rollout"
     metrics: RolloutMetrics | None = None
 
     def names(self) -> set[str]:
-        return {"calculator", *self.user, *(["python"] if self.reward is not None else [])}
+        return {"calculator", *(self.user.names if self.user else ()), *(["python"] if self.reward is not None else [])}
 
     def unknown(self, tools: list[str]) -> list[str]:
         """The tools of an episode spec this server cannot run."""
         return [t for t in tools if t not in self.names()]
 
-    def session(self) -> Session:
-        return Session(self)
+    def session(self, budget_s: float | None = None) -> Session:
+        """The tools of one episode whose line allows ``budget_s`` seconds of tool time (None: the server's)."""
+        if budget_s is not None and budget_s < self.limits.episode_s:
+            return Session(self, budget_s, "episode.tool_budget_s")
+        return Session(self, self.limits.episode_s, EPISODE_FIELD)
 
 
 @dataclass
 class Session:
-    """The tools of one episode (its own Python session)."""
+    """The tools of one episode (its own Python session, its tool time)."""
 
     box: ToolBox
+    budget_s: float = math.inf
+    budget_field: str = EPISODE_FIELD
     python: PythonSession | None = None
     calls: int = 0
     errors: int = 0
+    spent_s: float = 0.0
 
     async def answer(self, call: Call, allowed: list[str], timeout_s: float) -> str:
-        """The observation text for ``call``, never an exception (but cancellation)."""
+        """The observation text for ``call`` within ``timeout_s`` (the line's; lowered to the server's
+        and to the episode's tool time left), never an exception (but cancellation)."""
         self.calls += 1
         t0, outcome = time.monotonic(), "ok"
         try:
@@ -258,6 +284,8 @@ class Session:
             outcome = e.outcome
             return observation(str(e), error=True)
         finally:
+            if outcome != "refused":
+                self.spent_s += time.monotonic() - t0
             if self.box.metrics is not None:
                 tool = call.name if call.name in allowed else "-"  # the label set stays the allowed tools
                 self.box.metrics.tool_calls.labels(tool, outcome).inc()
@@ -270,27 +298,33 @@ class Session:
         if call.name not in allowed:
             raise ToolError(f"unknown tool {call.name!r}; this episode allows: {', '.join(allowed) or 'none'}",
                             "refused")
+        if self.spent_s >= self.budget_s:
+            raise ToolError(f"this episode's tool time is spent ({self.budget_s:g} s, {self.budget_field})",
+                            "refused")
+        limit_s, limit_field = min((timeout_s, "episode.tool_timeout_s"), (self.box.limits.call_s, CALL_FIELD),
+                                   (self.budget_s - self.spent_s, self.budget_field))
         try:
             out = await watchdog.bounded(
-                self._invoke(call), what=f"tool call {call.name}", on=f"the tool {call.name!r}", limit_s=timeout_s,
-                field="episode.tool_timeout_s", action="the call is answered with an error observation",
+                self._invoke(call), what=f"tool call {call.name}", on=f"the tool {call.name!r}", limit_s=limit_s,
+                field=limit_field, action="the call is answered with an error observation",
                 sink=self.box.sink, source=self.box.source)
         except watchdog.Stalled:
-            raise ToolError(f"the tool {call.name!r} timed out after {timeout_s:g} s", "timeout") from None
+            raise ToolError(f"the tool {call.name!r} timed out after {limit_s:.3g} s", "timeout") from None
         except ToolError:
             raise
-        except Exception as e:  # noqa: BLE001  a user tool's or the sandbox client's failure is the model's to read
+        except ToolFailed as e:
+            raise ToolError(f"the tool {call.name!r} failed: {e}") from None
+        except Exception as e:  # noqa: BLE001  the sandbox client's failure is the model's to read
             raise ToolError(f"the tool {call.name!r} failed: {e.__class__.__name__}: {e}") from None
         return str(out)
 
     async def _invoke(self, call: Call) -> object:
         if call.name == "calculator":
             return calculate(call.args)
-        if call.name == "python":
+        if call.name == "python" and self.box.reward is not None:
             if self.python is None:
                 self.python = PythonSession(self.box.reward)
             return await self.python.run(call.args)
-        fn = self.box.user[call.name]
-        if inspect.iscoroutinefunction(fn):
-            return await fn(call.args)
-        return await asyncio.to_thread(fn, call.args)
+        if self.box.user is None or call.name not in self.box.user.names:
+            raise ToolError(f"this server has no tool {call.name!r}", "refused")
+        return await self.box.user.call(call.name, call.args)

@@ -367,12 +367,16 @@ class EpisodeSpec(Wire):
     """A prompt that is a multi-turn episode (``rollout_server.episodes``): the model writes, may call one of
     ``tools`` (``<tool>NAME: ARGS</tool>``), reads the tool's observation, and goes on, for at most
     ``max_turns`` turns of its own and ``max_tokens`` completion tokens in all (its own and the observations';
-    None: the run's ``sampling.max_tokens``). Each call is bounded by ``tool_timeout_s``."""
+    None: the run's ``sampling.max_tokens``). Each call is bounded by ``tool_timeout_s``, the episode's calls
+    together by ``tool_budget_s`` (None: the rollout server's); the server's own bounds
+    (``TANDEM_ROLLOUT_TOOL_TIMEOUT_S``, ``TANDEM_ROLLOUT_TOOL_EPISODE_S``) cap both: a line lowers them, never
+    raises them (``rollout_server.tools``)."""
 
     tools: list[Annotated[str, Field(pattern=TOOL_NAME)]] = Field(default_factory=list, max_length=32)
     max_turns: int = Field(default=4, ge=1, le=64)
     max_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     tool_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    tool_budget_s: float | None = Field(default=None, gt=0, le=86400)
 
     @model_validator(mode="after")
     def _distinct(self) -> EpisodeSpec:

@@ -13,6 +13,9 @@ run's TensorBoard events (``train/<name>`` per learner step):
 - the calls are answered (``tool_success_frac``) and the episodes take the second turn they need;
 - the held-out accuracy (100 greedy episodes of eval.jsonl, versions 0 and the final one) rises by more
   than :data:`MARGIN` (measured 0.000 -> 0.930);
+- the final version's greedy episodes on :data:`REPLAYED` held-out lines, replayed with the rollout server's
+  calculator (:func:`_replay`), call it with the line's numbers, read their sum (computed by the test, not
+  the tool) and answer it: a wrong calculator fails here even if the policy learnt to work around it;
 - summary.json carries the same figures (``episodes``), and the audit passed (``tandem run`` exits 0).
 
 Measured (docs/episodes.md, section 8), with held-out evaluation on: 363 s including 153 s building the
@@ -69,6 +72,60 @@ def _scalars(runs: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(events))
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+REPLAYED = 40
+"""Held-out lines whose greedy episodes the test replays with the final version (:func:`_replay`)."""
+
+
+def _replay(model: Path, runs: Path, lines: list[dict]) -> list[tuple[str | None, str | None, str]]:
+    """Greedy episodes of the run's final version on ``lines``, replayed here with Hugging Face and the
+    rollout server's own tools (``Session.answer``), as the held-out evaluation runs them: for each line
+    (the call's ARGS, the observation, the text of the last turn); ARGS and observation None without a call."""
+    import asyncio
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout_server.tools import CLOSE, ToolBox, parse_call
+    from services.weightstore import parse_version_dir
+
+    versions = [d for d in runs.rglob("v*") if d.is_dir() and parse_version_dir(d) is not None]
+    final = max(versions, key=parse_version_dir)
+    tok = AutoTokenizer.from_pretrained(model)
+    policy = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    missing, unexpected = policy.load_state_dict(load_file(final / "model.safetensors"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    per_turn = 48  # run.toml's sampling.max_tokens
+
+    def turn(ids: list[int]) -> tuple[list[int], str]:
+        """One greedy turn: its ids and text, up to the end of sequence or the call's closing tag."""
+        with torch.no_grad():
+            out = policy.generate(torch.tensor([ids]), max_new_tokens=per_turn, do_sample=False,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        kept, text = [], ""
+        for t in out[0, len(ids):].tolist():
+            if t == tok.eos_token_id:
+                break
+            kept.append(t)
+            text += tok.decode([t])
+            if text.endswith(CLOSE):
+                break
+        return kept, text
+
+    out = []
+    for line in lines:
+        ids = tok(line["prompt"])["input_ids"]
+        first, text = turn(ids)
+        call = parse_call(text)
+        if call is None:
+            out.append((None, None, text))
+            continue
+        seen = asyncio.run(ToolBox().session().answer(call, line["episode"]["tools"], 5))
+        _, last = turn(ids + first + tok.encode(seen, add_special_tokens=False))
+        out.append((call.args, seen, last))
+    return out
 
 
 def _ends(series: dict[int, float]) -> tuple[float, float]:
@@ -133,6 +190,20 @@ def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
     assert c1 > c0 + MARGIN, calls
     assert t_1 > t_0 + MARGIN, turns  # a call takes a second turn to answer
     assert min(success.values()) > 0.8, success  # the calls the model writes are well formed (0.93 at least)
+    # the tool itself: the final policy's greedy held-out episodes, replayed with the server's calculator, call it
+    # with the line's numbers, read their sum (computed here, not by the tool) and answer it; a calculator that
+    # answered sum + 1 would pass every figure above whose policy learnt to correct it, and fails here
+    lines = [json.loads(x) for x in (EXAMPLE / "eval.jsonl").read_text().splitlines()[:REPLAYED]]
+    replayed = _replay(model, runs, lines)
+    faithful = 0
+    for line, (args, seen, last) in zip(lines, replayed, strict=True):
+        a, b = line["prompt"].removesuffix("=").split("+")
+        if args is not None and args.replace(" ", "") == f"{a}+{b}":
+            assert seen == f"<result>{int(a) + int(b)}</result>", (line["prompt"], seen)
+            faithful += f"<answer>{seen[len('<result>'):-len('</result>')]}</answer>" in last
+    print(f"replayed {REPLAYED} held-out episodes: {faithful} called the calculator with the line's sum and "
+          "answered its result")
+    assert faithful >= 0.7 * REPLAYED, replayed
     means = summary["episodes"]
     assert means["tool_calls_mean"] == pytest.approx(sum(calls.values()) / STEPS, rel=1e-6), means
     assert means["episode_turns_mean"] == pytest.approx(sum(turns.values()) / STEPS, rel=1e-6), means

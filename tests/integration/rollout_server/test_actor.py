@@ -260,6 +260,7 @@ async def test_follower_serves_the_active_run_until_it_is_stopped(
     from rollout_server.actor import cancel_and_wait
     from rollout_server.follower import follow_runs
     from rollout_server.settings import RolloutSettings
+    from rollout_server.tools import ToolBox
     from services.runs import MetricsLog, RunStore
 
     caplog.set_level(logging.INFO, logger="tandem.rollout")
@@ -274,7 +275,8 @@ async def test_follower_serves_the_active_run_until_it_is_stopped(
             assert time.monotonic() < deadline, f"never logged {text!r}:\n{caplog.text[-3000:]}"
             await asyncio.sleep(0.05)
 
-    follower = asyncio.create_task(follow_runs(rollout_engine, rs, rollout_engine.metrics, poll_s=0.05, report_s=0.2))
+    follower = asyncio.create_task(follow_runs(rollout_engine, rs, rollout_engine.metrics, ToolBox(), poll_s=0.05,
+                                               report_s=0.2))
     try:
         await store.create("fw-bad", "ps-x", {**config, "loss": {"eps_hihg": 0.3}})
         await logged("run fw-bad cannot be served")

@@ -13,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from rollout_server.engine import Sampling
 from rollout_server.episodes import run_episodes
-from rollout_server.tools import ToolBox
+from rollout_server.tools import Session, ToolBox
 from services import wire
 
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
@@ -136,6 +138,56 @@ async def test_a_call_closed_before_min_tokens_is_answered_with_the_learners_log
         learner = learner_logprobs(weight_versions.dir_of(tool_version), prompt, s.token_ids, f["mask"],
                                    temperature=TEMPERATURE, min_tokens=min_tokens)
         assert max(abs(x - y) for x, y, m in zip(s.logprobs, learner, f["mask"], strict=True) if m) < 2e-3
+
+
+@dataclass
+class ReloadingToolBox(ToolBox):
+    """Tools whose first answer waits for ``reload`` (a new weight version loaded into the engine): the
+    version changes between an episode's turns, while it waits on its tool, as when the learner publishes."""
+
+    reload: Callable[[], Awaitable[None]] | None = None
+
+    def session(self, budget_s: float | None = None) -> Session:
+        return ReloadingSession(self)
+
+
+class ReloadingSession(Session):
+    async def answer(self, call, allowed, timeout_s):
+        await self.box.reload()
+        return await super().answer(call, allowed, timeout_s)
+
+
+async def test_an_episode_spanning_a_reload_has_each_turns_version_and_the_oldest_as_its_own(
+    rollout_engine, tool_version, weight_versions, tool_weights, hf_logprobs
+):
+    """Version v writes the call, v+1 (the same weights, published again) the answer after the observation:
+    each turn is tagged with the version that generated it, the sample with the oldest (staleness is judged
+    by it), and each turn's behaviour log-probs are those of its own version's weights."""
+    from services.weightstore import digest
+
+    newer = weight_versions.next_version()
+    weight_versions.dirs[newer] = tool_weights
+    load = wire.LoadWeights(version=newer, uri=tool_weights.as_uri(), sha256=digest(tool_weights))
+    loading: list[asyncio.Task] = []
+
+    async def reload() -> None:
+        if not loading:  # the first episode to reach its tool loads it; the others wait for the same load
+            loading.append(asyncio.ensure_future(rollout_engine.load_weights(load)))
+        await loading[0]
+
+    prompt = rollout_engine.tokenize("C:")
+    spec = wire.EpisodeSpec(tools=["calculator"], max_turns=4)
+    gen = await run_episodes(rollout_engine, prompt, SAMPLING, spec, 2, ReloadingToolBox(reload=reload))
+    assert rollout_engine.version == newer
+    for s, f in zip(gen.samples, gen.fields, strict=True):
+        assert (f["turns"], f["tool_calls"]) == (2, 1), s.text
+        assert f["turn_versions"] == [tool_version, newer] and s.policy_version == tool_version
+        scored = wire.ScoredSample(**s.model_dump(), reward=1.0, status="ok", **f)  # the trajectory's sample accepts it
+        assert (scored.policy_version, scored.turn_versions) == (tool_version, [tool_version, newer])
+        (_, _, a), (_, b, c), (_, _, end) = _segments(f["mask"])
+        for version, (start, stop) in zip(f["turn_versions"], [(0, a), (c, end)], strict=True):
+            ref = hf_logprobs(weight_versions.dir_of(version), prompt, s.token_ids, temperature=TEMPERATURE)
+            assert max(abs(s.logprobs[i] - ref[i]) for i in range(start, stop)) < 2e-3
 
 
 def test_an_observation_is_tokenised_literally_never_as_special_tokens(rollout_engine):

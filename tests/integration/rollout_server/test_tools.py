@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from rollout_server.metrics import RolloutMetrics
-from rollout_server.tools import Call, ToolBox, load_user_tools
+from rollout_server.tools import Call, ToolBox, user_tools
 from services.clients import RewardClient
 from tests.fixtures.reward import REWARD_TOKEN
 
@@ -32,11 +32,12 @@ async def box(one_worker_reward_server):
     """Tools backed by a reward server with ONE sandbox worker: consecutive calls of different episodes
     run in the same worker (under gVisor, the same sandbox), so what one leaves behind is there to find."""
     client = RewardClient(one_worker_reward_server.url, REWARD_TOKEN, attempts=1, max_total_s=60)
-    user = load_user_tools({"reverse": "tests.episode_tools:reverse", "failing": "tests.episode_tools:failing",
-                            "hanging": "tests.episode_tools:hanging",
-                            "hanging_async": "tests.episode_tools:hanging_async"})
+    user = await user_tools({"reverse": "tests.episode_tools:reverse", "failing": "tests.episode_tools:failing",
+                             "hanging": "tests.episode_tools:hanging",
+                             "hanging_async": "tests.episode_tools:hanging_async"}, 2)
     yield ToolBox(reward=client, user=user, sink=Incidents(), source="rollout:test",
                   metrics=RolloutMetrics(CollectorRegistry()))
+    await user.close()
     await client.aclose()
 
 

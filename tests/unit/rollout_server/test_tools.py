@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from rollout_server.tool_pool import ToolPool, import_tools
 from rollout_server.tools import (
     MAX_OBSERVATION_CHARS,
     Call,
     ToolBox,
     ToolError,
+    ToolLimits,
     calculate,
-    load_user_tools,
+    check_user_tools,
     observation,
     parse_call,
 )
@@ -68,15 +70,28 @@ def test_an_observation_is_tagged_and_cut():
     assert long == "<result>" + "x" * MAX_OBSERVATION_CHARS + "...</result>"
 
 
-def test_user_tools_are_named_functions_importable_here():
-    tools = load_user_tools({"reverse": "tests.episode_tools:reverse"})
-    assert tools["reverse"]("abc") == "cba"
-    assert ToolBox(user=tools).names() == {"calculator", "reverse"}
-    assert ToolBox(user=tools).unknown(["reverse", "python", "nope"]) == ["python", "nope"]
+def test_user_tools_are_named_module_functions():
+    named = check_user_tools({"reverse": "tests.episode_tools:reverse"})
+    assert ToolBox(user=ToolPool(named)).names() == {"calculator", "reverse"}
+    assert ToolBox(user=ToolPool(named)).unknown(["reverse", "python", "nope"]) == ["python", "nope"]
     for named, words in [({"Reverse": "tests.episode_tools:reverse"}, "must match"),
                          ({"python": "tests.episode_tools:reverse"}, "must match"),
-                         ({"r": "tests.episode_tools:absent"}, "cannot import"),
+                         ({"r": "tests.episode_tools"}, "not 'module:function'")]:
+        with pytest.raises(ValueError, match=words):
+            check_user_tools(named)
+    assert import_tools({"reverse": "tests.episode_tools:reverse"})["reverse"]("abc") == "cba"
+    for named, words in [({"r": "tests.episode_tools:absent"}, "cannot import"),
                          ({"r": "tests.no_such_module:f"}, "cannot import"),
                          ({"r": "tests.episode_tools:NOT_A_FUNCTION"}, "not a function")]:
         with pytest.raises(ValueError, match=words):
-            load_user_tools(named)
+            import_tools(named)
+
+
+@pytest.mark.parametrize(("line_s", "server_s", "bound"), [
+    (None, 300.0, (300.0, "TANDEM_ROLLOUT_TOOL_EPISODE_S")),
+    (20.0, 300.0, (20.0, "episode.tool_budget_s")),
+    (900.0, 300.0, (300.0, "TANDEM_ROLLOUT_TOOL_EPISODE_S")),  # a line cannot raise the server's
+])
+def test_an_episodes_tool_time_is_the_lines_at_most_the_servers(line_s, server_s, bound):
+    s = ToolBox(limits=ToolLimits(call_s=60, episode_s=server_s)).session(line_s)
+    assert (s.budget_s, s.budget_field) == bound
