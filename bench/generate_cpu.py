@@ -59,7 +59,7 @@ async def vllm_side(model: str, groups: int, eager: bool) -> list[dict]:
         for at_once in (16, 64):
             room = asyncio.Semaphore(at_once)
 
-            async def group() -> None:
+            async def group(room: asyncio.Semaphore = room) -> None:
                 async with room:
                     await engine.generate(ids, sampling)
 
@@ -80,7 +80,7 @@ def hf_side(model: str, threads: int, rounds: int = 10) -> dict:
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    batch = tok([f"{a}+{b}=" for a, b in zip(range(10, 10 + PROMPTS), range(30, 30 + PROMPTS))],
+    batch = tok([f"{a}+{b}=" for a, b in zip(range(10, 10 + PROMPTS), range(30, 30 + PROMPTS), strict=True)],
                 return_tensors="pt", padding=True)
     kwargs = dict(input_ids=batch["input_ids"].repeat_interleave(N, 0),
                   attention_mask=batch["attention_mask"].repeat_interleave(N, 0), do_sample=True,
