@@ -15,16 +15,7 @@ from rollout_server.metrics import RolloutMetrics
 from rollout_server.tools import Call, ToolBox, user_tools
 from services.clients import RewardClient
 from tests.fixtures.reward import REWARD_TOKEN
-
-
-class Incidents:
-    """An incident sink that keeps what it is given (the run's IncidentLog writes them to Redis)."""
-
-    def __init__(self) -> None:
-        self.got = []
-
-    async def append(self, incident) -> None:
-        self.got.append(incident)
+from tests.fixtures.rollout import Incidents
 
 
 @pytest.fixture
