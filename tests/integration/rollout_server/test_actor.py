@@ -19,7 +19,7 @@ from services import wire
 from services.clients import RewardClient
 from services.config import RunConfig
 from services.reward_specs import RegexSpec
-from tests.fixtures.rollout import TOKEN
+from tests.fixtures.rollout import TOKEN, version_spans
 
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
@@ -103,9 +103,11 @@ async def _run_learner(
             )
             for s in g.samples:
                 assert len(s.logprobs) == len(s.token_ids) and all(math.isfinite(x) for x in s.logprobs)
-                # the tag is true: the logprobs are those of the tagged version's weights
-                ref = hf_logprobs(weight_versions.dir_of(s.policy_version), g.prompt_token_ids, s.token_ids)
-                assert max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)) < 2e-3
+                # the tags are true: each token's logprob is that of the weights of the version that sampled it
+                # (the sample's policy_version, or each span's with in-flight reloads)
+                for start, stop, v in version_spans(s):
+                    ref = hf_logprobs(weight_versions.dir_of(v), g.prompt_token_ids, s.token_ids)[start:stop]
+                    assert max(abs(a - b) for a, b in zip(s.logprobs[start:stop], ref, strict=True)) < 2e-3
         v_learner += 1
         await _publish(registry, weight_versions, seed0 + step, v_learner)
         await traj.ack(batch, counter="accepted")

@@ -23,7 +23,7 @@ from services import wire
 from services.clients import RewardClient
 from services.config import RunConfig
 from services.reward_specs import RegexSpec
-from tests.fixtures.rollout import TOKEN
+from tests.fixtures.rollout import TOKEN, version_spans
 
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
@@ -77,12 +77,15 @@ async def test_the_actor_samples_at_least_min_tokens_with_the_learners_log_probs
     assert group.logprobs_mode == "processed_logprobs"
     held_gap = 0.0
     for s in group.samples:
-        weights = weight_versions.dir_of(s.policy_version)
-        learner = learner_logprobs(weights, group.prompt_token_ids, s.token_ids, temperature=TEMPERATURE,
-                                   min_tokens=MIN_TOKENS)
-        assert max(abs(a - b) for a, b in zip(s.logprobs, learner, strict=True)) < 2e-3, (s.logprobs, learner)
-        unmasked = learner_logprobs(weights, group.prompt_token_ids, s.token_ids, temperature=TEMPERATURE,
-                                    min_tokens=0)
-        held_gap = max(held_gap, *(abs(a - b) for a, b in zip(s.logprobs[:MIN_TOKENS], unmasked, strict=False)))
+        for start, stop, v in version_spans(s):  # the engine's version before the run's may begin a sample
+            weights = weight_versions.dir_of(v)
+            learner = learner_logprobs(weights, group.prompt_token_ids, s.token_ids, temperature=TEMPERATURE,
+                                       min_tokens=MIN_TOKENS)[start:stop]
+            assert max(abs(a - b) for a, b in zip(s.logprobs[start:stop], learner, strict=True)) < 2e-3, (
+                s.logprobs, learner, s.token_versions)
+            unmasked = learner_logprobs(weights, group.prompt_token_ids, s.token_ids, temperature=TEMPERATURE,
+                                        min_tokens=0)[start:min(stop, MIN_TOKENS)]
+            held_gap = max(held_gap, *(abs(a - b) for a, b in zip(s.logprobs[start:min(stop, MIN_TOKENS)], unmasked,
+                                                                   strict=True)), 0.0)
     # the mask matters here: without it the recomputation is off by log(1 - P(EOS)) at the held positions
     assert held_gap > 5e-3, held_gap
