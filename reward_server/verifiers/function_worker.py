@@ -161,7 +161,7 @@ class Resolved:
 def resolve(function: str, pattern: str) -> Resolved:
     """In a worker: load ``function`` (raising :class:`FunctionError`); its signature and required parameters."""
     fn = load(function, pattern)
-    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some callables have none
