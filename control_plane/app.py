@@ -48,7 +48,7 @@ from control_plane.dashboard import router as dashboard_router
 from control_plane.groups import build_groups, enqueue
 from control_plane.model_path import ModelNotVisible, deployed_model
 from control_plane.prompt_sets import PromptSetStore
-from control_plane.reward_functions import FunctionCheck, spec_functions
+from control_plane.reward_functions import FunctionCheck, Named, spec_functions
 from control_plane.settings import ControlSettings
 from control_plane.stalls import StallMonitor
 from control_plane.trackers import TrackerHub
@@ -226,10 +226,10 @@ class LearnerStartError(RuntimeError):
 async def _check_functions(state, specs: list[tuple[int, RewardSpec]], what: str) -> None:
     """422 naming the line and field of each python reward function the reward server refuses
     (``control_plane.reward_functions``); ``specs``: (1-based line, spec as the run completes it)."""
-    named: dict[str, tuple[int, str]] = {}
+    named: Named = {}
     for line, spec in specs:
-        for field, function in spec_functions(spec.model_dump(mode="json")):
-            named.setdefault(function, (line, field))
+        for field, function, keywords in spec_functions(spec.model_dump(mode="json")):
+            named.setdefault((function, keywords), (line, field))
     refused = await state.functions.refusals(named)
     if refused:
         raise ServiceError(422, f"{what}: {LineError(refused)}", errors=refused)

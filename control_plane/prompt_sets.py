@@ -52,7 +52,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from broker.keys import PROMPT_SETS, check_run_id, prompt_set, prompt_set_meta
-from control_plane.reward_functions import FunctionCheck, line_functions
+from control_plane.reward_functions import FunctionCheck, Named, line_functions
 from control_plane.settings import ControlSettings
 from services.app import ServiceError
 from services.prompt_lines import LineError, LineParser
@@ -83,13 +83,13 @@ class StoredLines(LineParser):
         self.max_stored = settings.max_prompt_set_bytes
         self.encoded: list[bytes] = []
         self.stored_bytes = 0
-        self.functions: dict[str, tuple[int, str]] = {}
+        self.functions: Named = {}
         """Python reward function -> (line, field) of the first line that names it."""
         self._digest = hashlib.sha256()
 
     def keep(self, stored: dict) -> None:
-        for field, function in line_functions(stored, self.default_type):
-            self.functions.setdefault(function, (self._lineno, field))
+        for field, function, keywords in line_functions(stored, self.default_type):
+            self.functions.setdefault((function, keywords), (self._lineno, field))
         encoded = msgpack.packb(stored, use_bin_type=True)
         self._digest.update(len(encoded).to_bytes(8, "little") + encoded)
         self.encoded.append(encoded)

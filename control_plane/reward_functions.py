@@ -11,7 +11,10 @@ docker-compose set it) it asks that server's ``POST /v1/check``:
   that name no type take ``reward.type``) in the training and held-out sets: the reward server's
   allow-list may have changed since the upload. A 422 again, before any group is enqueued.
 
-A reward server that cannot be reached makes either request a 503 (retry later), never a silent pass.
+Each check says which keywords the lines give the function besides TRL's own (their fields and ``args``), so
+a function with a required parameter that no call would give is refused too, naming the parameter, at the
+first line that lacks it. A reward server that cannot be reached makes either request a 503 (retry later),
+never a silent pass.
 Without ``TANDEM_CONTROL_REWARD_URL`` nothing is checked here: the reward server still refuses such a
 function (a 422 on every ``/v1/score`` naming it), but only once rollouts are scored.
 """
@@ -32,20 +35,34 @@ CHECK_BATCH = 256
 """Functions per ``/v1/check`` call (what ``services.wire.CheckFunctions`` takes)."""
 
 
-def spec_functions(spec: object, where: str = "") -> Iterator[tuple[str, str]]:
-    """``(field path, function)`` of every python spec in a spec's JSON form (``parts.1.spec.function``)."""
+Named = dict[tuple[str, tuple[str, ...]], tuple[int, str]]
+"""(function, the keywords its call gives besides TRL's) -> (1-based line, field) of the first line naming it so."""
+
+
+def _keywords(spec: dict) -> tuple[str, ...]:
+    """The keywords a python spec's call gives besides TRL's: its ``args`` and its fields (``kwargs`` in the
+    validated form, top-level keys in a line's own)."""
+    names = {k for k in spec if k not in ("type", "function", "args", "kwargs")}
+    for nested in ("args", "kwargs"):
+        if isinstance(spec.get(nested), dict):
+            names |= set(spec[nested])
+    return tuple(sorted(names))
+
+
+def spec_functions(spec: object, where: str = "") -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """``(field path, function, keywords)`` of every python spec in a spec's JSON form (``parts.1.spec.function``)."""
     if not isinstance(spec, dict):
         return
     if spec.get("type") == "python" and isinstance(spec.get("function"), str):
-        yield f"{where}function", spec["function"]
+        yield f"{where}function", spec["function"], _keywords(spec)
     elif spec.get("type") == "combined" and isinstance(spec.get("parts"), list):
         for i, part in enumerate(spec["parts"]):
             if isinstance(part, dict):
                 yield from spec_functions(part.get("spec"), f"{where}parts.{i}.spec.")
 
 
-def line_functions(stored: dict, default_type: str) -> Iterator[tuple[str, str]]:
-    """``(field, function)`` of a stored prompt-set line (``services.prompt_lines.check_line``'s form): a
+def line_functions(stored: dict, default_type: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """``(field, function, keywords)`` of a stored prompt-set line (``services.prompt_lines.check_line``'s form): a
     typed line's spec, or an untyped line's ``function`` field when it is checked as ``python``."""
     if "spec" in stored:
         yield from spec_functions(stored["spec"])
@@ -63,21 +80,30 @@ class FunctionCheck:
                                     timeout_s=CHECK_TIMEOUT_S, attempts=3, max_total_s=CHECK_TIMEOUT_S)
                        if settings.reward_url else None)
 
-    async def refusals(self, named: dict[str, tuple[int, str]]) -> list[dict]:
+    async def refusals(self, named: Named) -> list[dict]:
         """``{"line", "field", "msg"}`` for each function the reward server refuses, at the first line
-        (1-based) and field that names it; empty when all may be called or there is no server to ask.
-        Raises a 503 :class:`ServiceError` when the reward server cannot be asked."""
+        (1-based) and field that names it with those keywords; empty when all may be called or there is no
+        server to ask. Raises a 503 :class:`ServiceError` when the reward server cannot be asked."""
         if self.client is None or not named:
             return []
-        functions, refused = sorted(named), {}
+        by_keywords: dict[tuple[str, ...], list[str]] = {}  # one check per set of keywords the lines give
+        for function, keywords in sorted(named):
+            by_keywords.setdefault(keywords, []).append(function)
+        refused: dict[tuple[str, tuple[str, ...]], str] = {}
         try:
-            for i in range(0, len(functions), CHECK_BATCH):
-                refused |= (await self.client.check(functions[i:i + CHECK_BATCH])).refused
+            for keywords, functions in by_keywords.items():
+                for i in range(0, len(functions), CHECK_BATCH):
+                    batch = functions[i:i + CHECK_BATCH]
+                    answer = await self.client.check(batch, {f: list(keywords) for f in batch})
+                    refused |= {(f, keywords): why for f, why in answer.refused.items()}
         except httpx.HTTPError as e:
+            names = list(dict.fromkeys(f for f, _ in sorted(named)))
             raise ServiceError(503, f"cannot ask the reward server ({self.url}) whether the python reward functions "
-                                    f"{', '.join(functions[:5])} may be called: {e}", retry_after=5) from None
-        return sorted(({"line": named[f][0], "field": named[f][1], "msg": why} for f, why in refused.items()),
-                      key=lambda e: e["line"])
+                                    f"{', '.join(names[:5])} may be called: {e}", retry_after=5) from None
+        first: dict[str, dict] = {}  # a function refused whatever its keywords is named once, at its first line
+        for key, why in sorted(refused.items(), key=lambda kv: named[kv[0]][0]):
+            first.setdefault(f"{key[0]}: {why}", {"line": named[key][0], "field": named[key][1], "msg": why})
+        return sorted(first.values(), key=lambda e: e["line"])
 
     async def close(self) -> None:
         if self.client is not None:

@@ -52,13 +52,13 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     specs = (found for i, item in enumerate(body.items) for found in spec_limits(item.spec, f"items.{i}.spec"))
     refuse_over_ceilings(specs, scorer.queue.ceilings)
     with scorer.queue.reserve(sum(sandbox_jobs(i.spec) for i in body.items)):
-        return ScoreResponse(results=await scorer.score_all(body.items))
+        return await scorer.score_all(body.items, body.trainer_state)
 
 
 @router.post("/v1/check", response_model=FunctionsChecked)
 async def check(body: CheckFunctions, request: Request) -> FunctionsChecked:
     functions = _scorer(request).functions
-    refused = await functions.check(body.functions)
+    refused = await functions.check(body.functions, body.keywords)
     known = functions.signatures()
     return FunctionsChecked(allowed={f: known[f] for f in body.functions if f not in refused}, refused=refused)
 

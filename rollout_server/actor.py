@@ -402,7 +402,8 @@ class Actor:
             log.error("held-out evaluation of version %d used versions %s: not recorded", version, sorted(set(versions)))
             return
         try:
-            result = await score(self.reward, prompts, texts, versions or [version])
+            result = await score(self.reward, prompts, texts, versions or [version],
+                                 [None if group is None else [smp.token_ids for smp in group] for group in samples])
         except (httpx.HTTPError, Stalled) as e:
             log.error("held-out evaluation of version %d not recorded: the reward server failed: %r", version, e)
             return
@@ -506,7 +507,7 @@ class Actor:
         try:
             with self.timeline.span("score", "groups", group=pg.group_id):
                 results = await self._score(pg, gen.texts if isinstance(gen, EpisodeGeneration)
-                                            else [smp.text for smp in gen.samples])
+                                            else [smp.text for smp in gen.samples], gen.samples)
         except httpx.HTTPStatusError as e:
             # the client has used up its own retries; the question now is whether a later delivery can succeed
             if not is_retryable(e):  # the request is wrong: repeating it cannot help
@@ -577,15 +578,24 @@ class Actor:
         await self.admission.release(ticket)
         self.metrics.groups.labels("redeliver").inc()
 
-    async def _score(self, pg: wire.PromptGroup, texts: list[str]) -> list[wire.ScoreResult] | None:
-        """Rewards of the completions ``texts`` in order; None if infrastructure failures persist."""
+    async def _score(self, pg: wire.PromptGroup, texts: list[str],
+                     samples: list[wire.Sample]) -> list[wire.ScoreResult] | None:
+        """Rewards of the completions ``texts`` (sampled as ``samples``) in order; None if infrastructure
+        failures persist. A python reward function gets each sample's token ids as TRL's ``completion_ids``
+        (an episode's: its model and observation tokens, as TRL's tool-calling completions hold both) and
+        the learner's step at the version that generated the group as ``trainer_state``."""
         ids = [f"{pg.group_id}:{i}" for i in range(len(texts))]
         results: dict[str, wire.ScoreResult] = {}
         todo = list(range(len(texts)))
+        learner = self.config.learner
+        state = wire.TrainerState(
+            global_step=min(min(smp.policy_version for smp in samples) * self.config.publish.every, learner.steps),
+            max_steps=learner.steps, epoch=float(pg.epoch))
         for _attempt in range(self.config.reward.retries + 1):
             request = wire.ScoreRequest(
-                items=[wire.ScoreItem(id=ids[i], prompt=pg.prompt or "", messages=pg.messages,
-                                      completion=texts[i], spec=pg.spec) for i in todo]
+                items=[wire.ScoreItem(id=ids[i], prompt=pg.prompt or "", messages=pg.messages, completion=texts[i],
+                                      completion_ids=samples[i].token_ids, spec=pg.spec) for i in todo],
+                trainer_state=state,
             )
             response = await self.reward.score(request)
             by_id = {r.id: r for r in response.results}

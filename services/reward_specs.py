@@ -208,7 +208,7 @@ class JudgeSpec(Spec):
 
 FUNCTION_NAME = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 """A reward function's name: ``module:name`` (``my_rewards:length``, ``pkg.scoring:passes``)."""
-TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state"})
+TRL_KEYWORDS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"})
 """Keywords TRL itself passes a reward function; a line's fields and ``args`` may not take them."""
 MAX_KEYWORDS = 64
 """Keyword arguments (``args`` and ``kwargs`` together) one python spec may give its function."""

@@ -137,20 +137,36 @@ Components = Annotated[dict[str, float], Field(max_length=64), AfterValidator(_c
 class ScoreItem(Wire):
     """One completion to score. ``prompt`` (text) or ``messages`` (chat turns) is what the model was
     asked: a ``python`` spec passes it to its function as TRL would (``prompts``: strings, or lists of
-    messages with each completion then ``[{"role": "assistant", "content": ...}]``); the other
-    verifiers ignore it."""
+    messages with each completion then ``[{"role": "assistant", "content": ...}]``), and
+    ``completion_ids`` (the token ids the policy sampled; an episode's: docs/episodes.md) as TRL's
+    ``completion_ids``; the other verifiers ignore them. Without ``completion_ids`` a function is called
+    without that keyword."""
 
     id: str = Field(min_length=1, max_length=256)
     prompt: str = ""
     messages: Messages | None = None
     completion: str
+    completion_ids: TokenIds | None = None
     spec: RewardSpec
 
 
+class TrainerState(Wire):
+    """``trainer_state`` as a python reward function gets it: the fields of TRL's ``TrainerState`` that mean
+    something here, taken from the weight version that generated the completions (generation runs ahead of
+    training, so this is the learner's step then, not now)."""
+
+    global_step: int = Field(ge=0, description="Optimizer steps the learner had taken when that version was "
+                                               "published (version x publish.every).")
+    max_steps: int = Field(ge=0, description="The run's learner.steps.")
+    epoch: float = Field(ge=0, description="The pass over the prompt set the group's line belongs to (0, 1, ...).")
+
+
 class ScoreRequest(Wire):
-    """``POST /v1/score``: one batch, typically the G completions of a group."""
+    """``POST /v1/score``: one batch, typically the G completions of a group; ``trainer_state`` is passed
+    to python reward functions (None when the batch is not a run's group)."""
 
     items: list[ScoreItem] = Field(min_length=1, max_length=4096)
+    trainer_state: TrainerState | None = None
 
 
 class ScoreResult(Wire):
@@ -162,6 +178,9 @@ class ScoreResult(Wire):
     status: ScoreStatus
     detail: str = ""
     components: Components = Field(default_factory=dict)
+    logged: dict[str, float | int | bool | str | None] = Field(
+        default_factory=dict, description="What python reward functions logged for this completion with "
+                                          "log_extra (TRL's completions-table columns), by column.")
 
     @model_validator(mode="after")
     def _reward_iff_scored(self) -> ScoreResult:
@@ -173,9 +192,11 @@ class ScoreResult(Wire):
 
 
 class ScoreResponse(Wire):
-    """Results in the order of the request's items."""
+    """Results in the order of the request's items; ``metrics``: the mean of the values python reward
+    functions logged with ``log_metric`` while scoring it, by name (TRL averages them the same way)."""
 
     results: list[ScoreResult]
+    metrics: dict[str, float] = Field(default_factory=dict)
 
 
 class CheckFunctions(Wire):
@@ -183,6 +204,11 @@ class CheckFunctions(Wire):
     asks before it stores a prompt set or creates a run that names them."""
 
     functions: list[Annotated[str, Field(max_length=200, pattern=FUNCTION_NAME)]] = Field(min_length=1, max_length=256)
+    keywords: dict[str, list[Annotated[str, Field(max_length=64)]]] = Field(
+        default_factory=dict, max_length=256,
+        description="function -> the keywords its calls give besides TRL's own (the line's fields and args); a "
+                    "function not named here gets TRL's alone. One with a required parameter that no call gives "
+                    "is refused, naming it.")
 
 
 class FunctionsChecked(Wire):

@@ -7,12 +7,17 @@ takes only that worker down. This module imports nothing of tandem (the worker's
 function's), and everything crossing back to the server is plain data: floats, ``None``, strings.
 
 A function has TRL's signature, ``f(prompts, completions, **kwargs) -> list[float | None]``,
-called with keywords. It may instead return a dict of such lists (named components); the
-sample's reward is then their sum, ``None`` values left out.
+called with keywords: what TRL 1.16's ``GRPOTrainer._calculate_rewards`` passes (:data:`PASSED`:
+``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric`` besides the prompts, the
+completions and the dataset columns). It may instead return a dict of such lists (named
+components); the sample's reward is then their sum, ``None`` values left out. An ``async def``
+function (any callable whose call returns an awaitable) is awaited, and the async calls of one
+batch are awaited together, as TRL gathers its async reward functions.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import logging
@@ -20,7 +25,9 @@ import math
 import re
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from types import SimpleNamespace
 
 log = logging.getLogger("tandem.reward.functions")
 
@@ -33,6 +40,42 @@ ERROR_CHARS = 500
 """How much of an error a result's detail carries."""
 
 Values = list[float | None]
+
+PASSED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""Keywords every call passes, as TRL does; the line's fields and ``args`` come on top
+(``services.reward_specs.TRL_KEYWORDS`` is the same set: a line may not give them)."""
+MAX_LOGGED = 16
+"""Metric names and extra columns one call may log, each."""
+LOGGED_CHARS = 200
+"""A logged extra value that is not a number is kept as text, this long at most."""
+
+
+@dataclass
+class Logged:
+    """What a call logged through ``log_extra`` (columns, one value per completion) and ``log_metric``."""
+
+    extra: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def log_extra(self, column: str, values: list) -> None:
+        if column not in self.extra and len(self.extra) >= MAX_LOGGED:
+            raise FunctionError(f"log_extra: more than {MAX_LOGGED} columns")
+        self.extra.setdefault(str(column), []).extend(_plain(v) for v in values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        if name not in self.metrics and len(self.metrics) >= MAX_LOGGED:
+            raise FunctionError(f"log_metric: more than {MAX_LOGGED} metrics")
+        number = float(value)
+        if not math.isfinite(number):
+            raise FunctionError(f"log_metric({name!r}): {number} is not finite")
+        self.metrics.setdefault(str(name), []).append(number)
+
+
+def _plain(value: object) -> float | int | bool | str | None:
+    """A logged extra value as plain data that crosses back to the server."""
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    return str(value)[:LOGGED_CHARS]
 
 
 class FunctionError(Exception):
@@ -104,13 +147,28 @@ def load(function: str, pattern: str) -> Callable:
     return obj
 
 
-def resolve(function: str, pattern: str) -> str:
-    """In a worker: load ``function`` (raising :class:`FunctionError`); return its signature."""
+@dataclass(frozen=True)
+class Resolved:
+    """What the server needs to know of a function before calling it."""
+
+    signature: str
+    required: tuple[str, ...]
+    """Parameters without a default that must come by keyword; a required positional-only one is listed as
+    ``"/name"`` (no call by keyword can give it)."""
+    is_async: bool
+
+
+def resolve(function: str, pattern: str) -> Resolved:
+    """In a worker: load ``function`` (raising :class:`FunctionError`); its signature and required parameters."""
     fn = load(function, pattern)
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
     try:
-        return f"{function}{inspect.signature(fn)}"
+        sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins and some callables have none
-        return function
+        return Resolved(function, (), is_async)
+    required = tuple(("/" if p.kind is p.POSITIONAL_ONLY else "") + p.name for p in sig.parameters.values()
+                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return Resolved(f"{function}{sig}", required, is_async)
 
 
 def _number(value: object, where: str) -> float | None:
@@ -154,15 +212,83 @@ def normalise(out: object, n: int) -> tuple[Values, dict[str, Values]]:
     return rewards, components
 
 
-def call(function: str, pattern: str, prompts: list, completions: list, columns: dict[str, list],
-         args: dict) -> tuple[Values, dict[str, Values]]:
-    """In a worker: ``function(prompts=..., completions=..., **columns, **args)``, normalised.
+@dataclass(frozen=True)
+class Call:
+    """One call of a function over a batch of completions (plain data: it crosses to the worker)."""
 
-    Raises :class:`FunctionError` (a plain message, always picklable) for whatever went wrong."""
-    fn = load(function, pattern)
+    function: str
+    pattern: str
+    prompts: list
+    completions: list
+    completion_ids: list[list[int]] | None
+    """The sampled token ids of each completion; None: the client sent none, and the keyword is left out."""
+    columns: dict[str, list]
+    args: dict
+    trainer_state: dict | None
+    """``services.wire.TrainerState``'s fields; the function gets them as attributes (``.global_step``)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A call's rewards, components and what it logged; ``error`` instead when it failed."""
+
+    rewards: Values = field(default_factory=list)
+    components: dict[str, Values] = field(default_factory=dict)
+    logged: Logged = field(default_factory=Logged)
+    error: str = ""
+
+
+def _start(c: Call, logged: Logged) -> object:
+    fn = load(c.function, c.pattern)
+    given = {"completion_ids": c.completion_ids} if c.completion_ids is not None else {}
+    state = None if c.trainer_state is None else SimpleNamespace(**c.trainer_state)
+    return fn(prompts=c.prompts, completions=c.completions, **given, trainer_state=state,
+              log_extra=logged.log_extra, log_metric=logged.log_metric, **c.columns, **c.args)
+
+
+def _outcome(out: object, n: int, logged: Logged) -> Outcome:
     try:
-        out = fn(prompts=prompts, completions=completions, **columns, **args)
-    except BaseException as e:  # noqa: BLE001 - the user's function may raise anything: reported, never scored;
-        # SystemExit and KeyboardInterrupt too, which pebble would otherwise hand on to the server's event loop
-        raise FunctionError(_summary(e)) from None
-    return normalise(out, len(completions))
+        rewards, components = normalise(out, n)
+    except FunctionError as e:
+        return Outcome(error=str(e))
+    for column, values in logged.extra.items():
+        if len(values) != n:
+            return Outcome(error=f"log_extra({column!r}) logged {len(values)} values for {n} completions")
+    return Outcome(rewards, components, logged)
+
+
+def call(calls: list[Call]) -> list[Outcome]:
+    """In a worker: each call ``function(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+    log_extra=..., log_metric=..., **columns, **args)``, normalised, in order. The awaitables that async
+    functions return are awaited together (``asyncio.gather``), as TRL awaits its async reward functions.
+
+    A call that fails gives an :class:`Outcome` with its ``error``: a plain message, always picklable."""
+    outcomes: list[Outcome | None] = [None] * len(calls)
+    pending: dict[int, tuple[object, Logged]] = {}
+    for i, c in enumerate(calls):
+        logged = Logged()
+        try:
+            out = _start(c, logged)
+        except FunctionError as e:
+            outcomes[i] = Outcome(error=str(e))
+            continue
+        except BaseException as e:  # noqa: BLE001 - the user's function may raise anything: reported, never scored;
+            # SystemExit and KeyboardInterrupt too, which pebble would otherwise hand on to the server's event loop
+            outcomes[i] = Outcome(error=_summary(e))
+            continue
+        if inspect.isawaitable(out):
+            pending[i] = (out, logged)
+        else:
+            outcomes[i] = _outcome(out, len(c.completions), logged)
+    if pending:
+        async def together() -> list:
+            return await asyncio.gather(*(aw for aw, _ in pending.values()), return_exceptions=True)
+
+        try:
+            awaited = asyncio.run(together())
+        except BaseException as e:  # noqa: BLE001 - SystemExit and the like escape gather's return_exceptions
+            awaited = [e] * len(pending)
+        for (i, (_, logged)), out in zip(pending.items(), awaited, strict=True):
+            outcomes[i] = (Outcome(error=_summary(out)) if isinstance(out, BaseException)
+                           else _outcome(out, len(calls[i].completions), logged))
+    return [o if o is not None else Outcome(error="not called") for o in outcomes]

@@ -14,10 +14,19 @@ Who is trusted for what:
 
 How a request is scored: every ``python`` spec of the request (combined parts included) is
 grouped by function, ``args``, the names of its keyword fields and the prompt's form; each group
-is one call in TRL's shape, ``f(prompts=[...], completions=[...], **{field: [one value per
-completion]}, **args)`` (prompts as text, or, for chat prompts, as message lists with each
-completion ``[{"role": "assistant", "content": text}]``, TRL's conversational form), scheduled on a ``pebble.ProcessPool`` of spawned workers under ``function_timeout_s``
-(``reward_server.verifiers.function_worker`` runs inside them). A call that raises, returns
+is one call in TRL's shape, ``f(prompts=[...], completions=[...], completion_ids=[...],
+trainer_state=..., log_extra=..., log_metric=..., **{field: [one value per completion]}, **args)``
+(prompts as text, or, for chat prompts, as message lists with each completion
+``[{"role": "assistant", "content": text}]``, TRL's conversational form), scheduled on a
+``pebble.ProcessPool`` of spawned workers under ``function_timeout_s``
+(``reward_server.verifiers.function_worker`` runs inside them). Each call of a sync function is
+one task (the workers run them in parallel); the calls of async functions go to one worker together
+and are awaited concurrently, as TRL gathers them. What a call logs comes back with its results:
+``log_extra`` columns in each result's ``logged``, ``log_metric`` values averaged in the response's
+``metrics``.
+
+A function whose required parameter no call will give (not one of TRL's keywords, not a field of the
+line, not in ``args``) is refused by :meth:`Functions.check` naming the parameter, before any call. A call that raises, returns
 something unusable, times out or loses its worker makes every completion in it a
 ``reward_error`` (an infrastructure status: no reward, the rollout side retries the group and then
 drops it, never trains it with a made-up 0), the error summarised in ``detail``.
@@ -36,13 +45,17 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
 
 from reward_server.verifiers.function_worker import (
+    PASSED,
+    Call,
     FunctionError,
+    Outcome,
+    Resolved,
     call,
     match,
     preload,
@@ -64,6 +77,8 @@ class Leaf:
     """The prompt text, or the chat messages (then the function gets TRL's conversational shape)."""
     completion: str
     spec: PythonSpec
+    completion_ids: list[int] | None = None
+    """The token ids the policy sampled for ``completion``; None when the client sent none."""
 
     @property
     def conversational(self) -> bool:
@@ -79,6 +94,9 @@ def python_leaves(spec: RewardSpec, where: str) -> list[tuple[str, PythonSpec]]:
     return []
 
 
+Extra = float | int | bool | str | None
+"""One value a function logged with ``log_extra`` for one completion."""
+
 Scored = ScoreResult | None
 """A python spec's verdict on one completion; None: the function gave no reward for it."""
 
@@ -91,7 +109,7 @@ class Functions:
     def __init__(self, patterns: list[str], workers: int = 2, timeout_s: float = 30.0) -> None:
         self.patterns = list(patterns)
         self.timeout_s = timeout_s
-        self._known: dict[str, str] = {}  # function -> signature, resolved once
+        self._known: dict[str, Resolved] = {}  # resolved once
         self._pending: set[ProcessFuture] = set()
         modules = sorted({split(p)[0] for p in self.patterns})
         self._pool = (ProcessPool(max_workers=workers, initializer=preload, initargs=(modules,),
@@ -104,13 +122,20 @@ class Functions:
         allowed = ", ".join(self.patterns) if self.patterns else "none: the setting is empty"
         return f"{function} is not allowed by the reward server's TANDEM_REWARD_FUNCTIONS (allowed: {allowed})"
 
-    async def check(self, functions: Iterable[str]) -> dict[str, str]:
+    async def check(self, functions: Iterable[str],
+                    keywords: Mapping[str, Collection[str]] | None = None) -> dict[str, str]:
         """``function -> why it cannot be called`` for each of ``functions`` that cannot; empty if all can.
 
-        Allowed ones are imported and looked up in a worker (once: a success is remembered)."""
+        Allowed ones are imported and looked up in a worker (once: a success is remembered). ``keywords``:
+        function -> the names its calls give besides TRL's own (the line's fields and ``args``); a
+        function absent from it gets TRL's alone. One with a required parameter among neither is refused."""
         refused: dict[str, str] = {}
+        keywords = keywords or {}
         for function in dict.fromkeys(functions):
             if function in self._known:
+                why = self._unpassed(function, keywords.get(function, ()))
+                if why is not None:
+                    refused[function] = why
                 continue
             why = self.refusal(function)
             if why is None:
@@ -122,13 +147,27 @@ class Functions:
                     why = f"looking up {function} took over {self.timeout_s:g} s (function_timeout_s)"
                 except ProcessExpired as e:
                     why = f"the worker died looking up {function} (exit code {e.exitcode})"
+                else:
+                    why = self._unpassed(function, keywords.get(function, ()))
             if why is not None:
                 refused[function] = why
         return refused
 
+    def _unpassed(self, function: str, given: Collection[str]) -> str | None:
+        """Why a call of resolved ``function`` giving ``given`` besides TRL's keywords would fail every time."""
+        for name in self._known[function].required:
+            if name.startswith("/"):
+                return (f"{self._known[function].signature}: its parameter {name[1:]!r} is positional-only and "
+                        "required; tandem passes everything by keyword")
+            if name not in PASSED and name not in given:
+                passed = ", ".join([*PASSED, *sorted(given)])
+                return (f"{self._known[function].signature} requires {name!r}, which tandem does not pass "
+                        f"(it passes {passed}): give {name!r} as a field of each line or in args, or a default")
+        return None
+
     def signatures(self) -> dict[str, str]:
         """The functions resolved so far, with their signatures."""
-        return dict(self._known)
+        return {f: r.signature for f, r in self._known.items()}
 
     async def _run(self, fn, *args):
         assert self._pool is not None  # only allowed functions get here, and an allow-list makes a pool
@@ -138,44 +177,50 @@ class Functions:
         # Cancelling this await (the client went away) cancels the task; pebble then stops its worker.
         return await asyncio.wrap_future(future)
 
-    async def score(self, leaves: list[Leaf]) -> dict[str, Scored]:
-        """Every leaf's verdict by its ``where``: one call per group of leaves sharing function, args
-        and field names, the calls run at once (as many as there are workers)."""
+    async def score(self, leaves: list[Leaf], trainer_state: dict | None = None) -> Scoring:
+        """Every leaf's verdict by its ``where``: one call per group of leaves sharing function, args,
+        field names and form; the sync calls run at once (as many as there are workers), the async ones
+        together in one worker. Every leaf's function has been checked (:meth:`check`)."""
         groups: dict[tuple, list[Leaf]] = {}
         for leaf in leaves:
             key = (leaf.spec.function, json.dumps(leaf.spec.args, sort_keys=True), tuple(sorted(leaf.spec.kwargs)),
-                   leaf.conversational)
+                   leaf.conversational, leaf.completion_ids is None)
             groups.setdefault(key, []).append(leaf)
-        done: dict[str, Scored] = {}
-        for verdicts in await asyncio.gather(*(self._call(group) for group in groups.values())):
-            done.update(verdicts)
-        return done
+        batches = [[group] for group in groups.values() if not self._known[group[0].spec.function].is_async]
+        together = [group for group in groups.values() if self._known[group[0].spec.function].is_async]
+        if together:
+            batches.append(together)
+        scoring = Scoring()
+        for batch, outcomes in zip(batches, await asyncio.gather(*(self._call(b, trainer_state) for b in batches)),
+                                   strict=True):
+            for group, outcome in zip(batch, outcomes, strict=True):
+                scoring.add(group, outcome)
+        return scoring
 
-    async def _call(self, leaves: list[Leaf]) -> dict[str, Scored]:
-        spec = leaves[0].spec
-        columns = {name: [leaf.spec.kwargs[name] for leaf in leaves] for name in spec.kwargs}
-        completions = [[{"role": "assistant", "content": leaf.completion}] if leaf.conversational else leaf.completion
-                       for leaf in leaves]
+    async def _call(self, groups: list[list[Leaf]], trainer_state: dict | None) -> list[Outcome]:
+        calls = []
+        for leaves in groups:
+            spec = leaves[0].spec
+            calls.append(Call(
+                function=spec.function, pattern=match(spec.function, self.patterns) or "",
+                prompts=[leaf.prompt for leaf in leaves],
+                completions=[[{"role": "assistant", "content": leaf.completion}] if leaf.conversational
+                             else leaf.completion for leaf in leaves],
+                completion_ids=None if leaves[0].completion_ids is None else [leaf.completion_ids for leaf in leaves],
+                columns={name: [leaf.spec.kwargs[name] for leaf in leaves] for name in spec.kwargs},
+                args=dict(spec.args), trainer_state=trainer_state))
+        names = ", ".join(dict.fromkeys(c.function for c in calls))
         try:
-            rewards, components = await self._run(
-                call, spec.function, match(spec.function, self.patterns),
-                [leaf.prompt for leaf in leaves], completions, columns, dict(spec.args))
-        except FunctionError as e:
-            return self._failed(leaves, f"{spec.function}: {e}")
+            outcomes = await self._run(call, calls)
         except TimeoutError:
-            return self._failed(leaves, f"{spec.function} took over {self.timeout_s:g} s for {len(leaves)} "
-                                        "completions (function_timeout_s)")
+            why = (f"took over {self.timeout_s:g} s for {sum(len(c.completions) for c in calls)} completions "
+                   "(function_timeout_s)")
         except ProcessExpired as e:
-            return self._failed(leaves, f"{spec.function}: its worker died (exit code {e.exitcode})")
-        out: dict[str, Scored] = {}
-        for i, leaf in enumerate(leaves):
-            mine = {name: values[i] for name, values in components.items() if values[i] is not None}
-            out[leaf.where] = None if rewards[i] is None else scored(leaf.item_id, rewards[i], "ok", components=mine)
-        return out
-
-    @staticmethod
-    def _failed(leaves: list[Leaf], detail: str) -> dict[str, Scored]:
-        return {leaf.where: infra(leaf.item_id, "reward_error", detail) for leaf in leaves}
+            why = f"its worker died (exit code {e.exitcode})"
+        else:
+            return [o if not o.error else Outcome(error=f"{c.function}: {o.error}")
+                    for c, o in zip(calls, outcomes, strict=True)]
+        return [Outcome(error=f"{names}: {why}") for _ in calls]
 
     async def close(self) -> None:
         """End every worker; calls still waiting are cancelled."""
@@ -185,3 +230,27 @@ class Functions:
             future.cancel()
         self._pool.stop()
         await asyncio.to_thread(self._pool.join)
+
+
+@dataclass
+class Scoring:
+    """What scoring a request's python specs gave: each leaf's verdict by its ``where``, the ``log_extra``
+    values logged for each item, and the ``log_metric`` values by name."""
+
+    verdicts: dict[str, Scored] = field(default_factory=dict)
+    logged: dict[str, dict[str, Extra]] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, leaves: list[Leaf], outcome: Outcome) -> None:
+        if outcome.error:
+            for leaf in leaves:
+                self.verdicts[leaf.where] = infra(leaf.item_id, "reward_error", outcome.error)
+            return
+        for i, leaf in enumerate(leaves):
+            mine = {name: values[i] for name, values in outcome.components.items() if values[i] is not None}
+            reward = outcome.rewards[i]
+            self.verdicts[leaf.where] = None if reward is None else scored(leaf.item_id, reward, "ok", components=mine)
+            for column, values in outcome.logged.extra.items():
+                self.logged.setdefault(leaf.item_id, {})[column] = values[i]
+        for name, values in outcome.logged.metrics.items():
+            self.metrics.setdefault(name, []).extend(values)

@@ -41,7 +41,7 @@ from services.reward_specs import (
     RegexSpec,
     RewardSpec,
 )
-from services.wire import ScoreItem, ScoreResult
+from services.wire import ScoreItem, ScoreResponse, ScoreResult, TrainerState
 
 
 def sandbox_jobs(spec: RewardSpec) -> int:
@@ -77,7 +77,8 @@ class Scorer:
                                 registry=registry)
 
     async def check(self, items: list[ScoreItem]) -> None:
-        """Raise a 422 :class:`ServiceError` naming the first judge url or python function the server will not call."""
+        """Raise a 422 :class:`ServiceError` naming the first judge url or python function the server will not
+        call (a function with a required parameter the spec's fields and args do not give is one)."""
         for i, item in enumerate(items):
             for field, url in judge_urls(item.spec, f"items.{i}.spec"):
                 try:
@@ -86,22 +87,27 @@ class Scorer:
                     raise _refused(field, str(e), "url_refused") from e
         leaves = [(i, where, spec) for i, item in enumerate(items)
                   for where, spec in python_leaves(item.spec, f"items.{i}.spec")]
-        refused = await self.functions.check(spec.function for _, _, spec in leaves)
         for _i, where, spec in leaves:
+            refused = await self.functions.check([spec.function], {spec.function: [*spec.kwargs, *spec.args]})
             if spec.function in refused:
                 raise _refused(f"{where}.function", refused[spec.function], "function_refused")
 
-    async def score_all(self, items: list[ScoreItem]) -> list[ScoreResult]:
+    async def score_all(self, items: list[ScoreItem], trainer_state: TrainerState | None = None) -> ScoreResponse:
         await self.check(items)
-        done = await self.functions.score([
+        scoring = await self.functions.score([
             Leaf(where, item.id, item.prompt if item.messages is None else [m.model_dump() for m in item.messages],
-                 item.completion, spec)
-            for i, item in enumerate(items) for where, spec in python_leaves(item.spec, f"items.{i}.spec")])
+                 item.completion, spec, item.completion_ids)
+            for i, item in enumerate(items) for where, spec in python_leaves(item.spec, f"items.{i}.spec")],
+            None if trainer_state is None else trainer_state.model_dump())
+        done = scoring.verdicts
         results = await asyncio.gather(*(self._top(item.id, item.completion, item.spec, f"items.{i}.spec", done)
                                          for i, item in enumerate(items)))
         for item, result in zip(items, results, strict=True):
             self.m_scored.labels(item.spec.type, result.status).inc()
-        return list(results)
+        return ScoreResponse(
+            results=[r.model_copy(update={"logged": scoring.logged[r.id]}) if r.id in scoring.logged else r
+                     for r in results],
+            metrics={name: sum(values) / len(values) for name, values in scoring.metrics.items()})
 
     async def _top(self, item_id: str, completion: str, spec: RewardSpec, where: str,
                    done: dict[str, Scored]) -> ScoreResult:

@@ -74,6 +74,25 @@ async def test_an_upload_naming_a_refused_function_is_refused_naming_it(
         assert await snapshot(control_redis) == before  # nothing stored
 
 
+async def test_a_line_without_a_column_the_function_requires_is_refused_naming_the_parameter(
+        rewards_module, control_db_url, control_redis, tmp_path, snapshot):
+    """``match`` requires ``solution``: a line that gives none would fail on every call, so the upload is
+    refused at that line, naming the parameter; the lines that give it pass (TRL's own keywords need none)."""
+    m = rewards_module
+    async with reward_server([f"{m}:*"]) as url, control_plane(
+            control_db_url, control_redis, tmp_path, reward_url=url, reward_token=REWARD_TOKEN) as control:
+        before = await snapshot(control_redis)
+        bare = {"prompt": "2+1=", "type": "python", "function": f"{m}:match"}
+        resp = await control.upload([line(0, f"{m}:match"), line(1, f"{m}:match"), bare, line(3, f"{m}:match")])
+        assert resp.status_code == 422, resp.text
+        (error,) = resp.json()["errors"]
+        assert (error["line"], error["field"]) == (3, "function")
+        assert "requires 'solution', which tandem does not pass" in error["msg"]
+        assert await snapshot(control_redis) == before
+        with_args = {"prompt": "2+1=", "type": "python", "function": f"{m}:match", "args": {"solution": "3"}}
+        assert (await control.upload([line(0, f"{m}:match"), with_args])).status_code == 201
+
+
 async def test_a_run_is_refused_before_anything_is_enqueued(
         rewards_module, control_db_url, control_redis, tmp_path, snapshot):
     """Sets uploaded where nothing was checked (no reward server configured) are checked when the run is

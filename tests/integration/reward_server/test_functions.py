@@ -164,8 +164,8 @@ async def test_unknown_or_disallowed_functions_are_refused_naming_them(reward_ap
         assert f"items.0.spec.function: {m}:match is not allowed" in resp.json()["detail"]
         assert "none: the setting is empty" in resp.json()["detail"]
     async with reward_app(sandbox="none", functions=[f"{m}:*", "json:loads"]) as (_app, client):
-        resp = await client.post("/v1/score", json={"items": [item(0, "a", {"type": "python", "function": f"{m}:match"}),
-                                                              item(1, "a", nested)]})
+        resp = await client.post("/v1/score", json={"items": [
+            item(0, "a", {"type": "python", "function": f"{m}:match", "solution": "a"}), item(1, "a", nested)]})
         assert resp.status_code == 422
         assert resp.json()["errors"][0]["loc"] == ["body", "items", 1, "spec", "parts", 1, "spec", "function"]
         assert f"{m}_marks:f is not allowed" in resp.json()["detail"]
@@ -175,7 +175,8 @@ async def test_unknown_or_disallowed_functions_are_refused_naming_them(reward_ap
             assert resp.status_code == 200
             verdict = resp.json()
             assert why in (verdict["refused"].get(function) or verdict["allowed"].get(function)), verdict
-        resp = await client.post("/v1/check", json={"functions": [f"{m}:match", f"{m}_marks:f", f"{m}:nope"]})
+        resp = await client.post("/v1/check", json={"functions": [f"{m}:match", f"{m}_marks:f", f"{m}:nope"],
+                                                    "keywords": {f"{m}:match": ["solution"]}})
         assert resp.json()["allowed"] == {f"{m}:match": f"{m}:match(prompts, completions, solution, **kwargs)"}
         assert set(resp.json()["refused"]) == {f"{m}_marks:f", f"{m}:nope"}
         resp = await client.post("/v1/check", json={"functions": ["os.system"]})

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import re
+import time
 import uuid
 
 import numpy as np
 import pytest
 
 from reward_server.verifiers.function_worker import (
+    Call,
     FunctionError,
     call,
     load,
@@ -43,6 +46,16 @@ def module(tmp_path, monkeypatch):
         "    return [scale * (c == s) for c, s in zip(completions, solution)]\n"
         "def boom(prompts, completions, **kwargs):\n"
         "    return {}['missing']\n"
+        "def progress(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **kwargs):\n"
+        "    log_metric('calls', 1.0)\n"
+        "    log_extra('ids', [len(i) for i in completion_ids])\n"
+        "    return [trainer_state.global_step / trainer_state.max_steps + trainer_state.epoch] * len(completions)\n"
+        "async def later(prompts, completions, **kwargs):\n"
+        "    import asyncio\n"
+        "    await asyncio.sleep(0.2)\n"
+        "    return [1.0] * len(completions)\n"
+        "def only_positional(prompts, /, completions, **kwargs):\n"
+        "    return [0.0] * len(completions)\n"
         "partial_length = functools.partial(length)\n"
         "NOT_CALLABLE = 3\n"
     )
@@ -66,17 +79,39 @@ def test_load_under_a_glob_takes_public_functions_of_the_module_only(module):
         load(f"{module}:NOT_CALLABLE", f"{module}:NOT_CALLABLE")
     with pytest.raises(FunctionError, match="cannot import"):
         load("no_such_module_at_all:f", "no_such_module_at_all:*")
-    assert resolve(f"{module}:length", glob) == f"{module}:length(prompts, completions, **kwargs)"
+    length = resolve(f"{module}:length", glob)
+    assert length.signature == f"{module}:length(prompts, completions, **kwargs)"
+    assert length.required == ("prompts", "completions") and not length.is_async
+    assert resolve(f"{module}:scaled", glob).required == ("prompts", "completions", "solution")
+    assert resolve(f"{module}:later", glob).is_async
+    assert resolve(f"{module}:only_positional", glob).required == ("/prompts", "completions")
+
+
+def one(module, name, completions, columns=None, args=None, ids=None, state=None) -> Call:
+    return Call(f"{module}:{name}", f"{module}:*", ["p"] * len(completions), completions, ids, columns or {},
+                args or {}, state)
 
 
 def test_call_passes_trl_keywords_and_summarises_errors(module):
-    rewards, parts = call(f"{module}:scaled", f"{module}:*", ["p1", "p2"], ["a", "b"], {"solution": ["a", "x"]},
-                          {"scale": 0.5})
-    assert rewards == [0.5, 0.0] and parts == {}
-    with pytest.raises(FunctionError, match=r"KeyError: 'missing' \(rewards_\w+\.py:10 in boom\)"):
-        call(f"{module}:boom", f"{module}:*", ["p"], ["c"], {}, {})
-    with pytest.raises(FunctionError, match="TypeError"):  # the line lacks the column the function needs
-        call(f"{module}:scaled", f"{module}:*", ["p"], ["c"], {}, {})
+    (scaled, boom, lacking) = call([one(module, "scaled", ["a", "b"], {"solution": ["a", "x"]}, {"scale": 0.5}),
+                                    one(module, "boom", ["c"]), one(module, "scaled", ["c"])])
+    assert scaled.rewards == [0.5, 0.0] and scaled.components == {} and not scaled.error
+    assert re.search(r"KeyError: 'missing' \(rewards_\w+\.py:10 in boom\)", boom.error)
+    assert "TypeError" in lacking.error  # the line lacks the column the function needs
+
+
+def test_call_passes_trainer_state_and_completion_ids_and_keeps_what_is_logged(module):
+    (out,) = call([one(module, "progress", ["a", "b"], ids=[[1, 2], [3]],
+                       state={"global_step": 3, "max_steps": 4, "epoch": 1.0})])
+    assert out.rewards == [1.75, 1.75]
+    assert out.logged.extra == {"ids": [2, 1]} and out.logged.metrics == {"calls": [1.0]}
+
+
+def test_async_functions_are_awaited_together(module):
+    t0 = time.monotonic()
+    outs = call([one(module, "later", ["a"]), one(module, "later", ["b", "c"]), one(module, "length", ["abc"])])
+    assert [o.rewards for o in outs] == [[1.0], [1.0, 1.0], [3.0]]
+    assert time.monotonic() - t0 < 0.35  # two 0.2 s sleeps, awaited concurrently
 
 
 def test_results_are_lists_of_numbers_or_none():
