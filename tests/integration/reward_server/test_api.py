@@ -99,7 +99,8 @@ async def test_without_a_sandbox_code_is_refused(reward_app):
         ]})
         results = scored.json()["results"]
         assert results[0]["status"] == "sandbox_error" and results[0]["reward"] is None
-        assert results[1] == {"id": "e", "reward": 1.0, "status": "ok", "detail": "", "components": {}}
+        assert results[1] == {"id": "e", "reward": 1.0, "status": "ok", "detail": "", "components": {},
+                              "logged": {}}
 
 
 async def test_unsafe_local_runs_code_when_asked(reward_app):
