@@ -318,8 +318,11 @@ def start_reward(workdir: Path, *, sandbox: str = "auto", workers: int = 2, max_
                                      "TANDEM_REWARD_MAX_QUEUED": str(max_queued)})
 
 
-def start_control(workdir: Path, redis_url: str, env: dict[str, str] | None = None) -> Service:
-    return spawn("control", workdir, {"REDIS_URL": redis_url, **(env or {})})
+def start_control(workdir: Path, redis_url: str, model: Path, env: dict[str, str] | None = None) -> Service:
+    """The control plane, allowed to start runs on ``model`` (it lies outside its run directory)."""
+    return spawn("control", workdir, {"REDIS_URL": redis_url,
+                                      "TANDEM_CONTROL_MODEL_DIRS": json.dumps([str(Path(model).resolve().parent)]),
+                                      **(env or {})})
 
 
 def start_rollout(workdir: Path, model: Path, max_pending_seqs: int = 64) -> Service:
@@ -380,7 +383,7 @@ async def started(model: Path, *, sandbox: str = "auto", rollout: Service | None
         try:
             reward = start_reward(workdir, sandbox=sandbox)
             procs.append(reward.proc)
-            control = start_control(workdir, redis.url)
+            control = start_control(workdir, redis.url, model)
             procs.append(control.proc)
             if rollout is None:
                 rollout = start_rollout(workdir, model)

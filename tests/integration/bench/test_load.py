@@ -89,7 +89,7 @@ async def test_control_plane_bounds_its_redis_connections_and_answers_503_withou
     redis = EmbeddedRedis(tmp_path / "redis").start()
     control = None
     try:
-        control = load.start_control(tmp_path, redis.url, {"TANDEM_CONTROL_REDIS_RETRIES": "2"})
+        control = load.start_control(tmp_path, redis.url, tiny_model, {"TANDEM_CONTROL_REDIS_RETRIES": "2"})
         run_id = await load.create_run(control, tiny_model)
         redis_service = load.Service("redis", redis.url, "", redis.proc.pid)
         poll = load.Load("poll", 100, 2)
