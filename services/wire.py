@@ -69,7 +69,10 @@ def _packed(dtype: str, check, what: str):
             out = a.tolist()
         else:
             out = handler(value)
-            a = np.asarray(out, dtype=dtype) if out else np.empty(0, dtype=dtype)
+            try:
+                a = np.asarray(out, dtype=dtype) if out else np.empty(0, dtype=dtype)
+            except OverflowError as e:  # a 4xx naming the field, not a 500
+                raise ValueError(f"value out of range for {dtype}: {e}") from e
         if a.size and not check(a):
             raise ValueError(what)
         return out

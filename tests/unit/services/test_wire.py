@@ -94,6 +94,8 @@ def _sample(**kw):
         ({"logprobs": [-0.1, math.nan]}, "finite"),
         ({"logprobs": [-0.1, 0.5]}, "<= 0"),
         ({"token_ids": [1, -2]}, ">= 0"),
+        ({"token_ids": [1, 2**70]}, "out of range"),  # a 422 at the edge, not a 500 (the services' fuzz test)
+        ({"token_ids": [1, 2**31]}, "out of range"),
         ({"status": "sandbox_error"}, "only scored samples"),
         ({"reward": math.inf}, "finite"),
     ],
