@@ -46,8 +46,8 @@ class RolloutSettings(WorkerSettings):
     (``config.json``); vLLM's ``auto`` would serve float32 checkpoints in bfloat16 on CPU."""
     enforce_eager: bool = Field(default=False)
     """Skip torch.compile / CUDA graphs. Default: compiled, as vLLM's own default. On CPU the
-    compiled model took 27% less CPU per generated sample at the example's size and its runs'
-    training steps 11-13% less time (docs/performance.md), for a start about 10-25 s longer
+    compiled model took 6-11% less CPU per generated sample at the example's size (quiet) and its
+    runs' training steps 11-13% less time (docs/performance.md), for a start about 10-25 s longer
     (vLLM's warm-up and compile pass; the compiled graph is cached under ~/.cache/vllm). True
     skips it, and on CPU with an explicit KV-cache size the warm-up pass too: the engine answers
     seconds after it starts (the tests' engines)."""
