@@ -74,15 +74,17 @@ IMAGE_PACKAGES = {
     "rollout": CORE_PACKAGES + EXTRA_PACKAGES["gpu"] + EXTRA_PACKAGES["modal"],
     "learner": CORE_PACKAGES + [TORCH] + EXTRA_PACKAGES["learner"] + EXTRA_PACKAGES["modal"],
     "autoscale": CORE_PACKAGES + EXTRA_PACKAGES["modal"],
+    "functions": CORE_PACKAGES + EXTRA_PACKAGES["reward"],
 }
 """pip packages of each role's image: the reward server needs modal for its sandbox backend, the
 rollout servers and the learner for reloading and committing the weights volume, the autoscaler
 for setting the rollout class's containers. ``[modal].packages``, and the tracker libraries the run
 config names, come on top (:func:`image_packages`)."""
 
-USER_ROLES = ("control", "reward", "rollout")
+USER_ROLES = ("control", "functions", "rollout")
 """The roles whose images get ``[modal].modules`` and ``[modal].packages``: the control plane (tracker
-libraries), the reward server (python reward functions), the rollout servers (user tools)."""
+libraries), the reward functions' containers (python reward functions), the rollout servers (user
+tools). Not the reward server's: it reaches Modal's API (its sandboxes) and calls no user code."""
 
 SERVICE_ROLES = ("rollout", "learner")
 """The roles whose containers run a service process of their own (``deploy.launch``): only they pass
@@ -214,6 +216,16 @@ class ModalDeploy(BaseModel):
     reward: RoleDeploy = RoleDeploy(cpu=4.0, memory_mib=4096, min_containers=1, max_containers=8,
                                     concurrency=64)
     """Reward servers (CPU; code runs in Modal Sandboxes). Scale with /v1/score traffic."""
+    functions: RoleDeploy = RoleDeploy(cpu=2.0, memory_mib=4096, min_containers=0, max_containers=16,
+                                       timeout_s=600, concurrency=1)
+    """The containers that run python reward functions (``TANDEM_REWARD_FUNCTIONS``) for the reward servers:
+    a Restricted Function (no Modal API: the code that judges model-written completions cannot reach the
+    workspace), no Secret, no volume. ``concurrency``: calls one container runs at once (one a call's
+    timeout ends with the others); ``timeout_s`` bounds one call beside the reward server's
+    ``function_timeout_s``, after which the call is cancelled and its container ended."""
+    functions_network: bool = False
+    """Let the reward functions' containers reach the network (a function that calls a web API); False:
+    ``block_network``, no network at all."""
     learner: RoleDeploy = RoleDeploy(gpu="H100:8", cpu=32.0, memory_mib=256 * 1024,
                                      scaledown_window_s=60, retries=10)
     """The learner: a job of ``nodes`` containers per run (each with all 8 GPUs of its node), spawned by
@@ -222,10 +234,10 @@ class ModalDeploy(BaseModel):
     """The rollout autoscaler."""
     modules: list[str] = Field(default_factory=list)
     """Your own Python modules or packages, by import name (``["my_rewards", "my_tools"]``), shipped to the
-    control, reward and rollout images: the modules ``TANDEM_REWARD_FUNCTIONS`` and ``TANDEM_ROLLOUT_TOOLS``
+    control, reward functions and rollout images: the modules ``TANDEM_REWARD_FUNCTIONS`` and ``TANDEM_ROLLOUT_TOOLS``
     name. Each must be importable where ``tandem deploy modal`` runs (it is shipped from there)."""
     packages: list[str] = Field(default_factory=list)
-    """Extra pip requirements (``["sympy==1.14", "wandb>=0.31"]``) installed in the control, reward and
+    """Extra pip requirements (``["sympy==1.14", "wandb>=0.31"]``) installed in the control, reward functions and
     rollout images: what your modules import, and tracker libraries for runs whose ``[logging] trackers``
     the deployed run config does not name (those it names are installed in the control image anyway)."""
     i6pn: bool = False
@@ -238,7 +250,7 @@ class ModalDeploy(BaseModel):
     def _roles(self) -> ModalDeploy:
         if self.app_name is not None:
             check_app_name(self.app_name, "modal.app_name")
-        for name in ("control", "rollout", "reward"):
+        for name in ("control", "rollout", "reward", "functions"):
             if getattr(self, name).nodes != 1:
                 raise ValueError(f"modal.{name}.nodes: only the learner runs on several nodes")
             if getattr(self, name).retries:
@@ -304,6 +316,8 @@ def role_options(plan: ModalDeploy, role: str) -> dict:
                "region": plan.region}
     if plan.i6pn and role in ("learner", "rollout"):  # the weight broadcast's network (a cluster has it anyway)
         options["i6pn"] = True
+    if role == "functions":  # runs the user's functions on model-written completions: no Modal API, no network
+        options |= {"restrict_modal_access": True, "block_network": not plan.functions_network}
     if role == "learner":
         return options | {"max_containers": r.nodes, "scaledown_window": r.scaledown_window_s}
     return options | {"min_containers": r.min_containers, "max_containers": r.max_containers,
@@ -318,19 +332,22 @@ SECRET_KEYS = {
 """The keys each Modal Secret must hold (checked by Modal when a container starts)."""
 
 
-def role_secret(plan: ModalDeploy, role: str) -> tuple[str, list[str]]:
+def role_secret(plan: ModalDeploy, role: str) -> tuple[str, list[str]] | None:
     """(Secret name, its required keys) of ``role``: the reward server gets its own (``reward_secret``,
-    its token only); the others share ``secret``."""
+    its token only), the reward functions' containers none; the others share ``secret``."""
+    if role == "functions":
+        return None
     if role == "reward":
         return plan.reward_secret, SECRET_KEYS["reward"]
     return plan.secret, SECRET_KEYS["shared"]
 
 
 def role_volumes(role: str) -> tuple[str, ...]:
-    """Where the weights volume is mounted in ``role``'s containers: nowhere in the reward server's
-    (it runs model-written code; whoever can write checkpoints can run code in the learner) nor the
+    """Where the weights volume is mounted in ``role``'s containers: nowhere in the reward server's nor the
+    reward functions' (they handle model-written code; whoever can write checkpoints can run code in the
+    learner) nor the
     autoscaler's (it reads Redis only)."""
-    return () if role in ("reward", "autoscale") else (RUN_DIR,)
+    return () if role in ("reward", "functions", "autoscale") else (RUN_DIR,)
 
 
 def layout_of(section: ModalDeploy) -> Layout:
@@ -377,6 +394,10 @@ def describe(plan: ModalDeploy, run_name: str) -> list[str]:
         r = getattr(plan, which)
         lines.append(f"  {which}: web endpoint <workspace>--{name}-{which}.modal.run; {role(r)}; "
                      f"{r.min_containers}..{r.max_containers or 'any'} containers")
+    r = plan.functions
+    lines.append(f"  reward functions: called by the reward server, no Modal API, no secret, no volume, "
+                 f"{'network' if plan.functions_network else 'no network'}; {role(r)}; "
+                 f"{r.min_containers}..{r.max_containers or 'any'} containers, {r.concurrency} call(s) each")
     r, a = plan.rollout, plan.autoscale
     parallel = role_env(plan, "rollout")
     lines.append(f"  rollout: {role(r)}; vLLM tensor_parallel_size {parallel['TANDEM_ROLLOUT_TENSOR_PARALLEL_SIZE']}, "
@@ -391,7 +412,8 @@ def describe(plan: ModalDeploy, run_name: str) -> list[str]:
     lines.append("  weight broadcast: " + ("over i6pn between the learner and the rollout containers"
                                            if plan.i6pn else "off (no i6pn): versions travel as files"))
     if plan.modules or plan.packages:
-        lines.append(f"  control, reward, rollout images also get: {', '.join(plan.modules + plan.packages)}")
+        lines.append(f"  control, reward functions, rollout images also get: "
+                     f"{', '.join(plan.modules + plan.packages)}")
     for which in ("control", "reward"):
         secret, keys = role_secret(plan, which)
         users = "the reward server alone" if which == "reward" else "every other role"

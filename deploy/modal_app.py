@@ -6,6 +6,7 @@ Who talks to whom (as in the local stack; docs/architecture.md section 1):
 |---|---|---|
 | ``control`` | CPU, ``@modal.asgi_app`` | ``control_plane.build_app`` (what ``tandem serve control`` serves), which spawns ``learner`` for each run it accepts |
 | ``reward`` | CPU, ``@modal.asgi_app`` | ``reward_server.build_app`` with ``TANDEM_REWARD_SANDBOX=modal`` |
+| ``RewardFunctions.run`` | CPU class, Restricted Function | the reward server's python reward functions (``function_worker``) |
 | ``Rollout.serve`` | GPU class, ``@modal.web_server`` | ``tandem serve rollout --config RUN.toml`` (vLLM + actor loop) |
 | ``learner`` | ``H100:8`` (× nodes, ``@modal.clustered``), a call per run, retried | ``torchrun ... -m deploy.cli serve learner`` for that run (``TANDEM_LEARNER_ONE_RUN``) |
 | ``autoscale`` | CPU, scheduled | ``deploy.autoscale.tick``: sets ``Rollout``'s ``min_containers`` from the backlog |
@@ -15,8 +16,12 @@ its ``tandem serve`` command line (``deploy.launch``); a unit test checks the na
 entrypoint calls. Redis is external. Secrets (``deploy.config.role_secret``): the Secret
 ``tandem`` holds ``TANDEM_TOKEN``, ``REDIS_URL`` and the reward server's token for its callers
 (``TANDEM_ROLLOUT_REWARD_TOKEN``, ``TANDEM_CONTROL_REWARD_TOKEN``); the reward server gets only
-the Secret ``tandem-reward`` (its own ``TANDEM_TOKEN``), no Redis and no volume: it runs
-model-written code. Weights, checkpoints and models live in the Volume ``tandem-runs``, mounted
+the Secret ``tandem-reward`` (its own ``TANDEM_TOKEN``), no Redis and no volume: it handles
+model-written code. It keeps Modal's API (it creates the Sandboxes the code runs in) and so runs no user
+code itself: the python reward functions, which judge model-written completions, run in
+``RewardFunctions``, a Restricted Function (``restrict_modal_access``: no Modal API, so nothing there can
+mount the volume or attach a Secret to a Sandbox) with no Secret, no volume and no network unless
+``[modal].functions_network``. Weights, checkpoints and models live in the Volume ``tandem-runs``, mounted
 at ``/runs`` (``TANDEM_RUN_DIR``) in the other containers; the run config is shipped alone at
 its repository path under ``/``, so its ``../../runs/...`` paths land there. The learner
 commits the Volume after writing each weight version or checkpoint; a rollout server reloads
@@ -35,8 +40,8 @@ service process (rollout, learner) this module passes it on (``launch.forward_si
 when the container imports it), so the learner checkpoints and a rollout server releases its leases
 before the container goes; the others serve in their own process, which SIGTERM ends.
 
-Images: each role's image ships tandem's packages, filtered, and in the control, reward and
-rollout images ``[modal].modules`` and ``[modal].packages`` (the user's reward functions, tools
+Images: each role's image ships tandem's packages, filtered, and in the control, reward functions'
+and rollout images ``[modal].modules`` and ``[modal].packages`` (the user's reward functions, tools
 and tracker libraries); the app mounts nothing else (``include_source=False``). The control
 plane refuses runs of another model than the rollout fleet's (``TANDEM_CONTROL_FLEET_MODEL``).
 The weight broadcast goes over i6pn with ``[modal].i6pn``; without it the learner has no
@@ -59,6 +64,7 @@ Deploying: docs/modal.md, step by step (``tandem deploy modal`` runs ``modal dep
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -115,7 +121,7 @@ runs = modal.Volume.from_name(SECTION.volume, create_if_missing=True)
 
 def image_packages(role: str) -> list[str]:
     """pip requirements of ``role``'s image: its extras' pins; the control plane's also the tracker libraries
-    the run config names; the control, reward and rollout images also ``[modal].packages``."""
+    the run config names; the control, reward functions' and rollout images also ``[modal].packages``."""
     packages = list(IMAGE_PACKAGES[role])
     if role == "control":
         packages += tracker_packages(CONFIG.logging.trackers)
@@ -124,7 +130,7 @@ def image_packages(role: str) -> list[str]:
 
 def image_sources(role: str) -> tuple[str, ...]:
     """The Python packages ``role``'s image ships: tandem's, and ``[modal].modules`` in the control, reward
-    and rollout images (the reward functions and tools their settings name)."""
+    functions' and rollout images (the reward functions and tools their settings name)."""
     return SOURCES + (tuple(SECTION.modules) if role in USER_ROLES else ())
 
 
@@ -144,7 +150,10 @@ def _image(role: str) -> modal.Image:
 
 
 def _secrets(role: str) -> list[modal.Secret]:
-    name, keys = role_secret(SECTION, role)
+    secret = role_secret(SECTION, role)
+    if secret is None:
+        return []
+    name, keys = secret
     return [modal.Secret.from_name(name, required_keys=keys), modal.Secret.from_dict(role_env(SECTION, role))]
 
 
@@ -196,11 +205,51 @@ async def _spawn_learner(run_id: str) -> None:
 @modal.concurrent(max_inputs=SECTION.reward.concurrency)
 @modal.asgi_app(label=f"{APP_NAME}-reward")
 def reward():
-    """The reward server; code runs in Modal Sandboxes (``TANDEM_REWARD_SANDBOX=modal``)."""
+    """The reward server; code runs in Modal Sandboxes (``TANDEM_REWARD_SANDBOX=modal``), python reward
+    functions in ``RewardFunctions``."""
     from reward_server import build_app
     from reward_server.settings import RewardSettings
 
-    return build_app(_settings(RewardSettings), load_run_config(RUN_CONFIG))
+    return build_app(_settings(RewardSettings), load_run_config(RUN_CONFIG), functions_runner=_run_functions)
+
+
+@app.cls(**_options("functions"))
+@modal.concurrent(max_inputs=SECTION.functions.concurrency)
+class RewardFunctions:
+    """The python reward functions of the reward servers, a Restricted Function: what it runs reaches no
+    Modal API, no Secret, no volume (and no network unless ``[modal].functions_network``)."""
+
+    @modal.enter()
+    def preload(self) -> None:
+        from reward_server.verifiers.function_worker import preload
+
+        preload(SECTION.modules)  # a slow import is not counted against a call's timeout
+
+    @modal.method()
+    def run(self, name: str, args: tuple) -> object:
+        """``function_worker.<name>(*args)``: ``call`` (score) or ``resolve`` (look a function up)."""
+        from reward_server.verifiers import function_worker
+
+        if name not in ("call", "resolve"):
+            raise ValueError(f"RewardFunctions.run: {name!r} is not call or resolve")
+        return getattr(function_worker, name)(*args)
+
+
+async def _run_functions(name: str, args: tuple) -> object:
+    """The reward server's ``functions_runner``: ``RewardFunctions.run`` as a call of its own. Cancelled (the
+    server's ``function_timeout_s`` ran out, or its client went away), the call is cancelled and its
+    container ended, so a function that hangs does not keep it."""
+    from reward_server.verifiers.functions import WorkerLost
+
+    try:
+        call = await RewardFunctions().run.spawn.aio(name, args)
+        try:
+            return await call.get.aio()
+        except asyncio.CancelledError:
+            await asyncio.shield(call.cancel.aio(terminate_containers=True))
+            raise
+    except modal.exception.Error as e:
+        raise WorkerLost(f"modal: {type(e).__name__}: {e}") from e
 
 
 @app.cls(**_options("rollout"))

@@ -11,12 +11,13 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from reward_server.settings import RewardSettings
+    from reward_server.verifiers.functions import Runner
 
 
-def build_app(settings: RewardSettings, config=None) -> FastAPI:
+def build_app(settings: RewardSettings, config=None, functions_runner: Runner | None = None) -> FastAPI:
     from reward_server.app import build_app as _build
 
-    return _build(settings, config)
+    return _build(settings, config, functions_runner)
 
 
 def serve(settings: RewardSettings, config=None) -> None:

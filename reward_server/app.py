@@ -24,7 +24,7 @@ from reward_server.execution import ExecQueue, ceilings_of, refuse_over_ceilings
 from reward_server.sandbox import choose
 from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, python_run
 from reward_server.settings import RewardSettings
-from reward_server.verifiers.functions import Functions
+from reward_server.verifiers.functions import Functions, Runner
 from reward_server.verifiers.judge import Judge
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.scorer import Scorer, sandbox_jobs
@@ -93,8 +93,10 @@ async def execute(body: ExecuteRequest, request: Request) -> ExecuteResult:
                          truncated=outcome.truncated)
 
 
-def build_app(settings: RewardSettings, config=None) -> FastAPI:
-    """The reward server. ``config`` (a RunConfig) is accepted for ``tandem serve``; settings drive it."""
+def build_app(settings: RewardSettings, config=None, functions_runner: Runner | None = None) -> FastAPI:
+    """The reward server. ``config`` (a RunConfig) is accepted for ``tandem serve``; settings drive it.
+    ``functions_runner``: where python reward functions run (default: a pool of worker processes here;
+    on Modal, a Restricted Function of their own)."""
     registry = CollectorRegistry()
 
     @contextlib.asynccontextmanager
@@ -113,7 +115,7 @@ def build_app(settings: RewardSettings, config=None) -> FastAPI:
         math = MathVerifier(workers=settings.math_workers, timeout_s=settings.math_timeout_s)
         judge = Judge.from_settings(settings)
         functions = Functions(settings.functions, workers=settings.function_workers,
-                              timeout_s=settings.function_timeout_s)
+                              timeout_s=settings.function_timeout_s, runner=functions_runner)
         if settings.functions:
             log.info("reward server: python reward functions allowed: %s", ", ".join(settings.functions))
         app.state.scorer = Scorer(queue, math, judge, registry, functions=functions,

@@ -19,7 +19,8 @@ trainer_state=..., log_extra=..., log_metric=..., **{field: [one value per compl
 (prompts as text, or, for chat prompts, as message lists with each completion
 ``[{"role": "assistant", "content": text}]``, TRL's conversational form), scheduled on a
 ``pebble.ProcessPool`` of spawned workers under ``function_timeout_s``
-(``reward_server.verifiers.function_worker`` runs inside them). Each call of a sync function is
+(``reward_server.verifiers.function_worker`` runs inside them), or handed to a :data:`Runner` that runs
+them elsewhere (on Modal, a Restricted Function with no access to the workspace: ``deploy.modal_app``). Each call of a sync function is
 one task (the workers run them in parallel); the calls of async functions go to one worker together
 and are awaited concurrently, as TRL gathers them. What a call logs comes back with its results:
 ``log_extra`` columns in each result's ``logged``, ``log_metric`` values averaged in the response's
@@ -45,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pebble import ProcessExpired, ProcessFuture, ProcessPool
@@ -100,20 +101,33 @@ Extra = float | int | bool | str | None
 Scored = ScoreResult | None
 """A python spec's verdict on one completion; None: the function gave no reward for it."""
 
+Runner = Callable[[str, tuple], Awaitable[object]]
+"""``runner(name, args)`` runs ``reward_server.verifiers.function_worker.<name>(*args)`` somewhere other
+than this server's worker pool and returns its result; it raises :class:`WorkerLost` when the call was
+lost, and the function's own exceptions (:class:`FunctionError`) as they are. Cancelling it (the
+timeout ran out, the client went away) stops the call."""
+
+
+class WorkerLost(Exception):
+    """The process or container running a call ended before it answered."""
+
 
 class Functions:
-    """The reward functions this server may call: the allow-list, and ``workers`` processes that call them.
+    """The reward functions this server may call: the allow-list, and ``workers`` processes that call them
+    (or ``runner``, which calls them elsewhere).
 
     Without patterns there is no pool and every function is refused."""
 
-    def __init__(self, patterns: list[str], workers: int = 2, timeout_s: float = 30.0) -> None:
+    def __init__(self, patterns: list[str], workers: int = 2, timeout_s: float = 30.0,
+                 runner: Runner | None = None) -> None:
         self.patterns = list(patterns)
         self.timeout_s = timeout_s
         self._known: dict[str, Resolved] = {}  # resolved once
         self._pending: set[ProcessFuture] = set()
+        self._runner = runner
         modules = sorted({split(p)[0] for p in self.patterns})
         self._pool = (ProcessPool(max_workers=workers, initializer=preload, initargs=(modules,),
-                                  context=mp.get_context("spawn")) if self.patterns else None)
+                                  context=mp.get_context("spawn")) if self.patterns and runner is None else None)
 
     def refusal(self, function: str) -> str | None:
         """Why the allow-list refuses ``function``; None if a pattern allows it."""
@@ -145,8 +159,8 @@ class Functions:
                     why = str(e)
                 except TimeoutError:
                     why = f"looking up {function} took over {self.timeout_s:g} s (function_timeout_s)"
-                except ProcessExpired as e:
-                    why = f"the worker died looking up {function} (exit code {e.exitcode})"
+                except WorkerLost as e:
+                    why = f"the worker died looking up {function} ({e})"
                 else:
                     why = self._unpassed(function, keywords.get(function, ()))
             if why is not None:
@@ -170,12 +184,18 @@ class Functions:
         return {f: r.signature for f, r in self._known.items()}
 
     async def _run(self, fn, *args):
+        """``fn(*args)`` in a worker, within ``timeout_s`` (TimeoutError); :class:`WorkerLost` if it died."""
+        if self._runner is not None:
+            return await asyncio.wait_for(self._runner(fn.__name__, args), self.timeout_s)
         assert self._pool is not None  # only allowed functions get here, and an allow-list makes a pool
         future = self._pool.schedule(fn, args, timeout=self.timeout_s)
         self._pending.add(future)
         future.add_done_callback(self._pending.discard)
         # Cancelling this await (the client went away) cancels the task; pebble then stops its worker.
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        except ProcessExpired as e:
+            raise WorkerLost(f"exit code {e.exitcode}") from e
 
     async def score(self, leaves: list[Leaf], trainer_state: dict | None = None) -> Scoring:
         """Every leaf's verdict by its ``where``: one call per group of leaves sharing function, args,
@@ -215,8 +235,8 @@ class Functions:
         except TimeoutError:
             why = (f"took over {self.timeout_s:g} s for {sum(len(c.completions) for c in calls)} completions "
                    "(function_timeout_s)")
-        except ProcessExpired as e:
-            why = f"its worker died (exit code {e.exitcode})"
+        except WorkerLost as e:
+            why = f"its worker died ({e})"
         else:
             return [o if not o.error else Outcome(error=f"{c.function}: {o.error}")
                     for c, o in zip(calls, outcomes, strict=True)]

@@ -69,9 +69,18 @@ def trls_own(module: str, function: str) -> tuple[list[float | None], dict[str, 
     return list(out), extra, metrics
 
 
-async def test_trls_reward_functions_give_through_tandem_what_they_give_in_trl(reward_app, trl_module):
+async def in_a_thread(name: str, args: tuple) -> object:
+    """A ``functions_runner`` that runs the worker's entry in a thread of this process (on Modal the runner is
+    a Restricted Function's call: ``deploy.modal_app._run_functions``)."""
+    from reward_server.verifiers import function_worker
+
+    return await asyncio.to_thread(getattr(function_worker, name), *args)
+
+
+@pytest.mark.parametrize("runner", [None, in_a_thread], ids=["worker pool", "functions_runner"])
+async def test_trls_reward_functions_give_through_tandem_what_they_give_in_trl(reward_app, trl_module, runner):
     allowed = [f"{trl_module}:{f}" for f in FUNCTIONS]
-    async with reward_app(sandbox="none", functions=allowed) as (_app, client):
+    async with reward_app(sandbox="none", functions=allowed, functions_runner=runner) as (_app, client):
         checked = (await client.post("/v1/check", json={"functions": allowed,
                                                         "keywords": {f: ["solution"] for f in allowed}})).json()
         assert checked["refused"] == {}, checked

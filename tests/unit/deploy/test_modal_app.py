@@ -11,12 +11,14 @@ it records the keyword arguments and passes them on unchanged).
 from __future__ import annotations
 
 import ast
+import asyncio
 import importlib.util
 import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import click
 import modal
@@ -32,6 +34,7 @@ from deploy.config import (
     ModalDeploy,
     RoleDeploy,
     app_name,
+    describe,
     load_deploy,
     role_env,
     role_secret,
@@ -223,6 +226,80 @@ def test_the_reward_server_gets_its_own_token_and_neither_redis_nor_the_run_volu
 
     known = set().union(*(env_names(c) for c in settings_classes().values()))
     assert set(shared[1]) <= known
+
+
+@pytest.mark.parametrize("network", [False, True])
+def test_reward_functions_run_in_a_restricted_function_with_no_secret_volume_or_network(monkeypatch, tmp_path,
+                                                                                        network):
+    """The reward server keeps Modal's API (it creates the Sandboxes), so the python reward functions, which
+    judge model-written completions, run in a Restricted Function of their own: no Modal API, no Secret, no
+    volume, no network unless asked. Before: they ran in the reward server's container, whose Modal access
+    lets code mount the runs volume or attach the Secret `tandem` to a new Sandbox."""
+    module, spy = load_app(monkeypatch, tmp_path, f"[modal]\nfunctions_network = {str(network).lower()}\n"
+                                                  "[modal.functions]\nmax_containers = 3\nconcurrency = 2\n")
+    kw = spy.calls[id(module.RewardFunctions)]
+    assert kw["restrict_modal_access"] is True and kw["block_network"] is (not network)
+    assert kw["max_containers"] == 3 and kw["secrets"] == [] and kw["volumes"] == {}
+    got = module.RewardFunctions._get_class_service_function().info()
+    assert got.secrets == [] and got.volumes == {} and got.concurrency_info.max_inputs == 2
+    for role in ("control", "reward", "rollout", "learner"):
+        assert "restrict_modal_access" not in spy.calls[id(getattr(module, "Rollout" if role == "rollout" else role))]
+    # the reward server hands its python functions to it
+    reward = _functions(ast.parse(MODULE.read_text()))["reward"]
+    passed = [k.value.id for n in ast.walk(reward) if isinstance(n, ast.Call) for k in n.keywords
+              if k.arg == "functions_runner"]
+    assert passed == ["_run_functions"]
+    (line,) = [line for line in describe(module.SECTION, "arith") if "reward functions:" in line]
+    assert "no Modal API, no secret, no volume" in line and ("no network" in line) is (not network)
+
+
+class _CallMock:
+    """Mock of a Modal ``FunctionCall`` (Modal's cloud cannot be reached here): ``get`` waits until
+    cancelled, or raises what it is given; ``cancel`` is recorded."""
+
+    def __init__(self, raises: BaseException | None = None):
+        self.raises, self.cancelled = raises, []
+        self.get, self.cancel = SimpleNamespace(aio=self._get), SimpleNamespace(aio=self._cancel)
+
+    async def _get(self):
+        if self.raises is not None:
+            raise self.raises
+        await asyncio.Event().wait()
+
+    async def _cancel(self, terminate_containers=False):
+        self.cancelled.append(terminate_containers)
+
+
+def test_a_reward_function_call_that_runs_out_of_time_is_cancelled_with_its_container(monkeypatch, tmp_path):
+    """The reward server's timeout (function_timeout_s) cancels the remote call and ends its container, so a
+    hung function does not keep it; a call Modal lost is a WorkerLost (a reward_error naming it), and the
+    function's own exception comes back as it is."""
+    from reward_server.verifiers.function_worker import FunctionError
+    from reward_server.verifiers.functions import Functions, WorkerLost
+
+    module, _ = load_app(monkeypatch, tmp_path, None)
+    calls = []
+
+    def cls_mock():  # RewardFunctions(): its run.spawn.aio starts the next prepared call
+        async def spawn(name, args):
+            return calls.pop(0)
+        return SimpleNamespace(run=SimpleNamespace(spawn=SimpleNamespace(aio=spawn)))
+
+    monkeypatch.setattr(module, "RewardFunctions", cls_mock)
+    hung, lost, refused = _CallMock(), _CallMock(modal.exception.InternalFailure("worker gone")), _CallMock(
+        FunctionError("m:f: cannot import m"))
+    calls += [hung, lost, refused]
+    functions = Functions(["m:*"], timeout_s=0.2, runner=module._run_functions)
+
+    async def go():
+        with pytest.raises(TimeoutError):
+            await functions._run(asyncio.sleep, 0)
+        with pytest.raises(WorkerLost, match="InternalFailure: worker gone"):
+            await functions._run(asyncio.sleep, 0)
+        return await functions.check(["m:f"])
+
+    assert asyncio.run(go()) == {"m:f": "m:f: cannot import m"}
+    assert hung.cancelled == [True] and lost.cancelled == [] and not calls
 
 
 def test_the_openai_endpoint_has_a_key_of_its_own_with_the_infer_scope_only(monkeypatch):
@@ -560,12 +637,12 @@ def test_no_function_mounts_source_beside_its_image():
         assert local == [], (name, [str(r) for m in local for e in m.entries for _, r in e.get_files_to_upload()][:5])
 
 
-def test_your_modules_and_packages_reach_the_control_reward_and_rollout_images(monkeypatch, tmp_path):
+def test_your_modules_and_packages_reach_the_control_functions_and_rollout_images(monkeypatch, tmp_path):
     """[modal] modules and packages: the reward functions, tools and tracker libraries a deployment uses
-    are shipped to the control, reward and rollout images (the SDK's own record of each image's Python
-    sources; its pip layers as given); the tracker libraries the run config names reach the control
-    image without being listed. Before: only tandem's packages were shipped, and a run with trackers got
-    422 from the deployed control plane."""
+    are shipped to the control, reward functions' and rollout images, not the reward server's (the SDK's
+    own record of each image's Python sources; its pip layers as given); the tracker libraries the run
+    config names reach the control image without being listed. Before: only tandem's packages were
+    shipped, and a run with trackers got 422 from the deployed control plane."""
     (tmp_path / "my_rewards").mkdir()
     (tmp_path / "my_rewards" / "__init__.py").write_text("def one(completions, **kw):\n    return [1.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -579,13 +656,14 @@ def test_your_modules_and_packages_reach_the_control_reward_and_rollout_images(m
     monkeypatch.setattr(modal.Image, "uv_pip_install", uv_pip_install_recorder_mock)
     module, _ = load_app(monkeypatch, tmp_path, '[modal]\nmodules = ["my_rewards"]\npackages = ["sympy==1.14.0"]\n')
     images = {"control": module.control, "reward": module.reward, "learner": module.learner,
-              "autoscale": module.autoscale, "rollout": module.Rollout._get_class_service_function()}
+              "autoscale": module.autoscale, "rollout": module.Rollout._get_class_service_function(),
+              "functions": module.RewardFunctions._get_class_service_function()}
     for role, fn in images.items():
         shipped = _raw(fn)._spec.image._added_python_source_set
-        assert ("my_rewards" in shipped) == (role in ("control", "reward", "rollout")), role
+        assert ("my_rewards" in shipped) == (role in ("control", "functions", "rollout")), role
         assert {"deploy", "reward_server", "rollout_server"} <= shipped, role
-    # in definition order: control, reward, rollout, learner, autoscale
-    assert [("sympy==1.14.0" in p) for p in pip] == [True, True, True, False, False]
+    # in definition order: control, reward, functions, rollout, learner, autoscale
+    assert [("sympy==1.14.0" in p) for p in pip] == [True, False, True, True, False, False]
     from modal.mount import _Mount
 
     mount = _Mount._from_local_python_packages("my_rewards", ignore=module.SOURCE_IGNORE)
