@@ -105,7 +105,7 @@ def eval_fields(points: list[wire.MetricPoint], after: wire.EvalPoint | None, sa
 def _progress_note(st: wire.RunStatus) -> str:
     lag = st.staleness.max_observed_lag
     note = (f"reward {st.reward_mean if st.reward_mean is not None else float('nan'):.2f}"
-            f"  lag<={lag if lag is not None else '-'}  dropped {st.staleness.stale_dropped}")
+            f"  lag<={lag if lag is not None else '-'}  dropped {wire.dropped_text(st.dropped())}")
     if st.eval is not None:
         note += f"  eval {eval_text(st.eval, every_k=False)} (v{st.eval.version})"
     return note
@@ -139,6 +139,10 @@ def _stack_lines_only(console: Console):
     return echo
 
 
+class _Ended(Exception):
+    """The run ended other than finished (``run_job``)."""
+
+
 def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_root: Path = Path("runs")) -> Path:
     """Run the main job; return the run directory. Raises :class:`JobError` on failure."""
     console = cli_console()
@@ -152,7 +156,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         raise JobError("data.eval is required: the main job reports held-out accuracy before and after")
     work = runs_root.resolve() / f".stack-{os.getpid()}"
     stack = Stack(work, settings, config=config_path, echo=_stack_lines_only(console))
-    run_id = None
+    run_id, failed = None, None
     try:
         with console.status("starting the stack (redis, reward, control, rollout, learner)"):
             stack.start()
@@ -168,7 +172,9 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         console.print(f"run {run_id}: {created.groups} prompt groups queued")
         final = asyncio.run(_follow(stack, config, run_id))
         if final.run.state != "finished":
-            raise JobError(f"run {run_id} ended {final.run.state}: {final.run.error}")
+            stack.cpu.record(run_id, force=True)
+            failed = asyncio.run(_status(stack, run_id)), asyncio.run(_timeline(stack, run_id))[1]
+            raise _Ended
         version, after = asyncio.run(_final(stack, run_id))
         after = after if config.eval.after else None
         stack.cpu.record(run_id, force=True)  # the account up to the run's end, for the status
@@ -196,6 +202,8 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
                           f"{after.count} prompts)")
         if status.cpu is not None:
             console.print(f"CPU-seconds per trained sample: {cpu_text(status.cpu)}")
+    except _Ended:
+        pass  # the stack stops, then summary.json says why and the job fails
     finally:
         stack.stop()
         if run_id is not None and work.exists():
@@ -204,6 +212,15 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
                 shutil.rmtree(target)
             work.rename(target)
     run_dir = runs_root.resolve() / run_id
+    if failed is not None:
+        status, incidents = failed
+        write_summary(run_dir / "summary.json", {
+            "run_id": run_id, "config": str(config_path), "state": status.run.state, "error": status.run.error,
+            "steps": status.run.step, "wall_s": round(time.monotonic() - started, 1), "dropped": status.dropped(),
+            "counters": status.counters,
+            "incidents": [i.model_dump(mode="json", exclude={"stack"}) for i in incidents]})
+        raise JobError(f"run {run_id} ended {status.run.state}: {status.run.error} (see {run_dir / 'summary.json'} "
+                       f"and the services' logs in {run_dir / 'logs'})")
     write_plots(points, run_dir / "report")
     timeline.write_file(run_dir / timeline.TIMELINE_FILE, spans)  # tandem trace reads it
     st = status.staleness
@@ -219,6 +236,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         "max_staleness": st.max_staleness,
         "max_observed_lag": st.max_observed_lag,
         "stale_dropped": st.stale_dropped,
+        "dropped": status.dropped(),
         "counters": status.counters,
         "throughput": _run_means(points, wire.Throughput.model_fields),
         "episodes": _run_means(points, EPISODE_MEANS),

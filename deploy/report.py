@@ -55,7 +55,7 @@ def status_table(st: wire.RunStatus) -> Table:
         *([(f"held-out mean@{st.eval.samples} / pass@k", f"{eval_text(st.eval)} (version {st.eval.version})")]
           if st.eval is not None and st.eval.samples > 1 else []),
         ("staleness eta / max observed lag", f"{s.max_staleness} / {_fmt(s.max_observed_lag)}"),
-        ("stale dropped", str(s.stale_dropped)),
+        ("groups dropped", wire.dropped_text(st.dropped())),
         ("queued / in flight / backlog", f"{s.queued} / {s.in_flight} / {s.backlog}"),
         ("rollout / learner tokens/s", f"{_fmt(t.rollout_tokens_per_s)} / {_fmt(t.learner_tokens_per_s)}"),
         ("rollout / learner idle", f"{_fmt(t.rollout_idle_frac, True)} / {_fmt(t.learner_idle_frac, True)}"),

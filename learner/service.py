@@ -182,8 +182,9 @@ class RunFollower:
             await _close(redis, Keys(run.run_id), "run_failed", trainer)
         elif await store.is_live(run.run_id):  # stopped by SIGTERM, not by the user: leave it running
             return "interrupted"
-        else:  # stopped from the control plane
-            await _close(redis, Keys(run.run_id), "run_stopped", trainer)
+        else:  # stopped from the control plane, or failed by a rollout server (reward.fail_after)
+            failed = (await store.get(run.run_id)).state == "failed"
+            await _close(redis, Keys(run.run_id), "run_failed" if failed else "run_stopped", trainer)
         return trainer.status.state
 
     @property

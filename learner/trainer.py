@@ -368,7 +368,18 @@ class Trainer:
         """Record the starvation that fails the run as a watchdog incident (``tandem status``, dashboard)."""
         from services.watchdog import IncidentLog, incident
 
-        inc = incident(f"the learner of run {self.run_id} (step {self.step + 1})", f"trajectory groups: {e}",
+        from broker import Stream
+        from services.wire import dropped_by_reason, dropped_text
+
+        try:
+            counters = {k.decode(): int(v) for k, v in (await self.redis.hgetall(self.keys.counters)).items()}
+            prompts = Stream.prompts(self.redis, self.keys)
+            left = max(0, await prompts.backlog() - await prompts.pending())
+            why = (f"{left} prompt groups not yet generated" if left else "nothing left to generate") + (
+                f"; groups dropped so far: {dropped_text(dropped_by_reason(counters))}")
+        except Exception as e2:  # noqa: BLE001  the record matters more than its detail
+            why = f"(could not read the run's counters: {e2!r})"
+        inc = incident(f"the learner of run {self.run_id} (step {self.step + 1})", f"trajectory groups: {e}; {why}",
                        waited_s=waited_s, limit_s=self.cfg.learner.wait_timeout_s, field="learner.wait_timeout_s",
                        action="the run fails", source="learner:rank0")
         try:

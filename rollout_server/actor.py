@@ -25,7 +25,10 @@ One group, start to end:
    ``reward_error`` from a python reward function: reward
    is None) are scored again, up to ``reward.retries`` more times; if any
    still fail, the group is dead-lettered and counted (``infra_dropped``),
-   never trained with a made-up 0.
+   never trained with a made-up 0. ``reward.fail_after`` such groups in a
+   row on one server (none scored between them) fail the run with the
+   reward's error and an incident: a reward that fails every time ends the
+   run at once instead of starving the learner.
 5. Hand off: append the trajectory group (behaviour log-probs, per-sample
    versions; the group's version is its oldest sample's) and ack the prompt
    in one atomic step with the ledger's ``generated`` entry; the slot
@@ -101,7 +104,8 @@ from services.clients import RewardClient, is_retryable
 from services.config import RunConfig
 from services.evaluate import EvalLog, due, score
 from services.timeline import Timeline
-from services.watchdog import IncidentLog, Stalled
+from services.runs import RunStore, TransitionError
+from services.watchdog import IncidentLog, Stalled, incident
 from services.weightgroup import Invitation
 
 log = logging.getLogger("tandem.rollout.actor")
@@ -125,6 +129,11 @@ def reward_client(rs: RolloutSettings, redis, keys: Keys, config: RunConfig) -> 
 
 class BadScoreResponse(Exception):
     """The reward server's answer does not match the request (a bug on its side)."""
+
+
+class ScoringFailed(Exception):
+    """A group's samples still had an infrastructure status after ``reward.retries`` more attempts;
+    ``str(e)``: the status and the reward server's detail of the first."""
 
 
 class Actor:
@@ -181,6 +190,8 @@ class Actor:
         """Held while a version is loaded and, when it is due, while its held-out prompts are generated:
         no other version is loaded meanwhile, so the evaluation measures exactly one version."""
         self._tasks: asyncio.TaskGroup | None = None  # the actor's tasks (run())
+        self._unscored: list[float] = []
+        """Monotonic times of the groups dropped in a row because their scoring failed (reward.fail_after)."""
 
     # -- top level -------------------------------------------------------------
 
@@ -518,13 +529,12 @@ class Actor:
             return await self._retry_later(delivery, ticket, f"reward server unreachable: {e!r}")
         except BadScoreResponse as e:
             return await self._retry_later(delivery, ticket, f"bad reward response: {e}")
-        if results is None:
+        except ScoringFailed as e:
             await self.redis.hincrby(self.keys.counters, "infra_dropped", 1)
-            await self._drop(
-                delivery, ticket, "infra_dropped",
-                f"reward infrastructure failure after {self.config.reward.retries} retries",
-            )
-            return
+            await self._drop(delivery, ticket, "infra_dropped",
+                             f"reward infrastructure failure after {self.config.reward.retries} retries: {e}")
+            return await self._scoring_failed(str(e))
+        self._unscored.clear()
         if lost.is_set():
             # the slot expired and may have been given to another group: handing off now
             # could exceed capacity. Leave the entry pending; it will be redelivered.
@@ -579,9 +589,9 @@ class Actor:
         self.metrics.groups.labels("redeliver").inc()
 
     async def _score(self, pg: wire.PromptGroup, texts: list[str],
-                     samples: list[wire.Sample]) -> list[wire.ScoreResult] | None:
-        """Rewards of the completions ``texts`` (sampled as ``samples``) in order; None if infrastructure
-        failures persist. A python reward function gets each sample's token ids as TRL's ``completion_ids``
+                     samples: list[wire.Sample]) -> list[wire.ScoreResult]:
+        """Rewards of the completions ``texts`` (sampled as ``samples``) in order; :class:`ScoringFailed` if
+        infrastructure failures persist. A python reward function gets each sample's token ids as TRL's ``completion_ids``
         (an episode's: its model and observation tokens, as TRL's tool-calling completions hold both) and
         the learner's step at the version that generated the group as ``trainer_state``."""
         ids = [f"{pg.group_id}:{i}" for i in range(len(texts))]
@@ -608,7 +618,25 @@ class Actor:
         failed = by_id[ids[todo[0]]]
         log.warning("group %s: %d samples still %s after %d attempts: %s", pg.group_id, len(todo), failed.status,
                     self.config.reward.retries + 1, failed.detail[:500])
-        return None
+        raise ScoringFailed(f"{failed.status}: {failed.detail[:1000]}")
+
+    async def _scoring_failed(self, why: str) -> None:
+        """One more group in a row dropped because scoring it failed with ``why``; at ``reward.fail_after`` the
+        run fails with it (an incident says so; the learner sees the run end and stops)."""
+        self._unscored.append(time.monotonic())
+        limit = self.config.reward.fail_after
+        if not limit or len(self._unscored) != limit:
+            return
+        error = f"the reward failed on {limit} groups in a row (reward.fail_after) on {self.server_id}: {why}"
+        log.error("run %s fails: %s", self.keys.run_id, error)
+        inc = incident(f"{self.server_id}'s last {limit} groups", f"a reward for any of them ({why})",
+                       waited_s=self._unscored[-1] - self._unscored[0], limit_s=None, field="reward.fail_after",
+                       action="every one failed to score: the run fails", source=f"rollout:{self.server_id}")
+        await IncidentLog(self.redis, self.keys, source=f"rollout:{self.server_id}").append(inc)
+        try:
+            await RunStore(self.redis).set_state(self.keys.run_id, "failed", error=error)
+        except TransitionError:
+            pass  # it ended meanwhile (another server failed it first, or it was stopped)
 
 
 async def cancel_and_wait(task: asyncio.Task) -> BaseException | None:

@@ -78,13 +78,11 @@ class IncidentSink(Protocol):
 
 def message(inc: Incident) -> str:
     """The one line every watchdog logs: what waited on what, how long, the bound, the action."""
-    return (
-        f"{inc.what} has waited {inc.waited_s:.1f} s on {inc.on} "
-        f"(limit {inc.limit_s:g} s, config {inc.field}); {inc.action}"
-    )
+    limit = f"limit {inc.limit_s:g} s, " if inc.limit_s is not None else ""
+    return f"{inc.what} has waited {inc.waited_s:.1f} s on {inc.on} ({limit}config {inc.field}); {inc.action}"
 
 
-def incident(what: str, on: str, *, waited_s: float, limit_s: float, field: str, action: str,
+def incident(what: str, on: str, *, waited_s: float, limit_s: float | None, field: str, action: str,
              source: str = "", stack: str = "") -> Incident:
     return Incident(
         at=time.time(), source=source[:200], what=what[:500], on=on[:500], waited_s=max(0.0, waited_s),

@@ -666,7 +666,8 @@ class Incident(Wire):
     what: str = Field(max_length=500)
     on: str = Field(max_length=500, description="What it was waiting on.")
     waited_s: float = Field(ge=0)
-    limit_s: float = Field(ge=0)
+    limit_s: float | None = Field(default=None, ge=0, description="The bound in seconds; None for a bound that "
+                                                                  "is not a time (reward.fail_after: a count).")
     field: str = Field(max_length=100, description="The config field that sets the bound, e.g. watchdog.reload_s.")
     action: str = Field(max_length=500, description="What was done: refused and retried, group redelivered, "
                                                     "service exits for a restart, run failed.")
@@ -703,6 +704,27 @@ class RunStatus(Wire):
         default_factory=list, description="The newest watchdog incidents of the run, newest first.")
     cpu: CpuAccount | None = Field(default=None, description="CPU per service and per trained sample, where a "
                                                              "stack runs the services.")
+
+    def dropped(self) -> dict[str, int]:
+        """Groups dropped so far, by reason (:func:`dropped_by_reason`)."""
+        return dropped_by_reason(self.counters)
+
+
+def dropped_by_reason(counters: dict[str, int]) -> dict[str, int]:
+    """Groups dropped, by reason, from a run's counters: the learner's (``<reason>_dropped``: ``stale``,
+    ``zero_variance``, ``empty``) and the rollout side's dead letters, those whose scoring failed
+    (``infra_dropped``: a reward function that raised, a judge or sandbox that errored) apart from the rest
+    (``dead_lettered``: lines that cannot be generated, refused by the reward server, delivered too often)."""
+    out = {name.removesuffix("_dropped"): n for name, n in counters.items() if name.endswith("_dropped") and n}
+    if (other := counters.get("dead_lettered", 0) - counters.get("infra_dropped", 0)) > 0:
+        out["dead_lettered"] = other
+    return out
+
+
+def dropped_text(dropped: dict[str, int]) -> str:
+    """``12 (infra 4, stale 8)``: groups dropped in all, then by reason (:func:`dropped_by_reason`)."""
+    reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(dropped.items()))
+    return f"{sum(dropped.values())}" + (f" ({reasons})" if reasons else "")
 
 
 # --------------------------------------------------------------------------

@@ -101,7 +101,7 @@ function renderIncidents(s) {
   for (const i of incidents) {
     const when = new Date(i.at * 1000).toISOString().replace("T", " ").slice(0, 19);
     const text = `${when} ${i.source}: ${i.what} has waited ${i.waited_s.toFixed(1)} s on ${i.on} ` +
-      `(limit ${i.limit_s} s, config ${i.field}); ${i.action}`;
+      `(${i.limit_s == null ? "" : `limit ${i.limit_s} s, `}config ${i.field}); ${i.action}`;
     list.append(el("li", { class: "incident" }, text));
   }
 }

@@ -188,6 +188,35 @@ def test_a_service_that_cannot_start_fails_the_run_and_leaves_no_process(tmp_pat
 
 @pytest.mark.long
 @pytest.mark.slow
+def test_a_reward_that_always_fails_ends_the_run_with_its_error_at_once(tmp_path, arith_model):
+    """Every line's reward is a python function that raises (issue: all groups dropped within a second, then
+    `training 0/5 ... dropped 0` for minutes): the run fails after reward.fail_after groups, and tandem run
+    says why in one line, with the function's error; summary.json and the incident say it too."""
+    config_path = short_run_config(tmp_path, arith_model, steps=5, checkpoint_every=5)
+    config = load_run_config(config_path)
+    train = tmp_path / "failing.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{i}+1=", "type": "python", "function": "tests.rewards:failing"})
+                             + "\n" for i in range(64)))
+    text = config_path.read_text().replace(str(config.data.train), str(train))
+    config_path.write_text("\n".join(line for line in text.splitlines() if not line.startswith("bootstrap =")))
+    assert load_run_config(config_path).model.bootstrap is None  # built already; its lines have no answers
+    t0 = time.monotonic()
+    done = _tandem_run(config_path, tmp_path / "runs", _env(TANDEM_REWARD_FUNCTIONS='["tests.rewards:*"]'),
+                       timeout_s=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    err = " ".join(done.stderr.split())
+    assert "ended failed: the reward failed on 8 groups in a row (reward.fail_after)" in err, err
+    assert "this reward function always fails" in err, err
+    run_dir = next(p for p in (tmp_path / "runs").iterdir() if not p.name.startswith("."))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["state"] == "failed" and "this reward function always fails" in summary["error"]
+    assert summary["dropped"]["infra"] >= 8 and summary["steps"] == 0, summary
+    assert [i["field"] for i in summary["incidents"]] == ["reward.fail_after"], summary["incidents"]
+    print(f"a run whose reward always fails ended in {time.monotonic() - t0:.0f} s")
+
+
+@pytest.mark.long
+@pytest.mark.slow
 def test_sigterm_stops_the_run_and_its_services_and_keeps_its_files(tmp_path, arith_model):
     config_path = short_run_config(tmp_path, arith_model, steps=200, checkpoint_every=50)
     job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config_path), "--runs",

@@ -23,8 +23,12 @@ from tests.fixtures.rollout import TOKEN, version_spans
 
 pytestmark = pytest.mark.usefixtures("engine_left_serving")
 
+ALWAYS_FAILS = "this reward function always fails"
+"""What ``tests.rewards:failing`` (``reward_service.function_failure_spec``) raises."""
 
-def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size: int = 4, retries: int = 2) -> RunConfig:
+
+def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size: int = 4, retries: int = 2,
+            fail_after: int = 8) -> RunConfig:
     train = tmp_path / "train.jsonl"
     train.write_text("")
     return RunConfig.model_validate(
@@ -35,7 +39,7 @@ def _config(tiny_model, tmp_path, *, eta: int, groups_per_step: int, group_size:
             "sampling": {"group_size": group_size, "max_tokens": 12, "temperature": 1.0},
             "learner": {"groups_per_step": groups_per_step},
             "staleness": {"max_staleness": eta, "lease_s": 60, "visibility_timeout_s": 60},
-            "reward": {"retries": retries},
+            "reward": {"retries": retries, "fail_after": fail_after},
         }
     )
 
@@ -226,6 +230,47 @@ async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     assert await actor.admission.counts() == {"queued": 1, "in_flight": 0}
+
+
+async def test_a_reward_that_fails_on_every_group_fails_the_run_with_its_error(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
+):
+    """``reward.fail_after`` groups in a row whose scoring failed (a python reward function that raises every
+    time) fail the run with the function's error and an incident; a group scored in between starts the count
+    again, so the good group among the first failures keeps it alive. Before: every group was dropped and the
+    run waited for data until ``learner.wait_timeout_s`` (600 s), saying nothing."""
+    from services.runs import RunStore
+    from services.watchdog import IncidentLog
+
+    store = RunStore(redis)
+    await store.create(keys.run_id, "p", {})
+    await store.set_state(keys.run_id, "running")
+    config = _config(tiny_model, tmp_path, eta=4, groups_per_step=4, group_size=2, retries=0, fail_after=3)
+    registry = WeightRegistry(redis, keys)
+    await _publish(registry, weight_versions, 300, weight_versions.next_version())
+    bad = reward_service.function_failure_spec
+    # two failures, a scored group, then failures until the run fails: the first two do not count
+    order = [*await _enqueue(redis, keys, count=2, n=2, spec=bad), *await _enqueue(redis, keys, count=1, n=2)]
+    actor, task = actor_factory(config, concurrency=1)
+    deadline = time.monotonic() + 60
+    while len(await Stream.prompts(redis, keys).dead_letters()) < 2 or \
+            not int((await redis.hgetall(keys.counters)).get(b"produced", 0)):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    assert (await store.get(keys.run_id)).state == "running"  # 2 failed, then one scored: the count restarts
+    order += await _enqueue(redis, keys, count=4, n=2, spec=bad)
+    while (record := await store.get(keys.run_id)).state == "running":
+        assert time.monotonic() < deadline, await Stream.prompts(redis, keys).dead_letters()
+        await asyncio.sleep(0.1)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert record.state == "failed"
+    assert "the reward failed on 3 groups in a row (reward.fail_after)" in record.error
+    assert "reward_error" in record.error and ALWAYS_FAILS in record.error
+    [inc] = await IncidentLog(redis, keys).recent()
+    assert inc.field == "reward.fail_after" and inc.limit_s is None and ALWAYS_FAILS in inc.on
+    assert wire.dropped_by_reason({k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+                                  )["infra"] >= 5
 
 
 async def test_actor_dead_letters_a_malformed_prompt_and_frees_its_slot(

@@ -75,3 +75,18 @@ def test_summary_fields_of_one_and_of_several_samples():
     assert (fields["accuracy_before"], fields["accuracy_after"], fields["eval_samples"]) == (0.3, 0.7, 4)
     assert fields["pass_at_before"] == {1: 0.3, 2: 0.45, 4: 0.6} and fields["pass_at_after"] == {1: 0.7, 2: 0.8, 4: 0.9}
     assert fields["evals"][1] == {"version": 5, "accuracy": 0.7, "pass_at": {1: 0.7, 2: 0.8, 4: 0.9}}
+
+
+def test_dropped_counts_every_dropped_group_by_reason():
+    """The progress line's and ``tandem status``'s ``dropped``: every group dropped, by reason, the rollout
+    side's dead letters (reward failures apart) with the learner's drops. Before: stale drops only (0 while a
+    reward that always failed dropped every group)."""
+    counters = {"stale_dropped": 2, "zero_variance_dropped": 5, "infra_dropped": 3, "dead_lettered": 4,
+                "accepted": 10, "produced": 12}
+    st = _status(None).model_copy(update={"counters": counters})
+    assert st.dropped() == {"stale": 2, "zero_variance": 5, "infra": 3, "dead_lettered": 1}
+    assert "dropped 11 (dead_lettered 1, infra 3, stale 2, zero_variance 5)" in _progress_note(st)
+    console = Console(record=True, width=200)
+    console.print(status_table(st))
+    assert "11 (dead_lettered 1, infra 3, stale 2, zero_variance 5)" in console.export_text()
+    assert "dropped 0 " in _progress_note(_status(None)) + " "
