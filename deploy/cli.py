@@ -115,20 +115,22 @@ def run(
     config: Annotated[Path, typer.Argument(help="Run config (TOML), e.g. examples/arith/run.toml.")],
     runs_root: Annotated[Path | None, typer.Option("--runs", help="Where run directories go (default: TANDEM_RUN_DIR, else runs).")] = None,
 ) -> None:
-    """The main job: start the stack, evaluate, train with GRPO, evaluate, write a report, stop."""
+    """The main job: start the stack, evaluate, train with GRPO, evaluate, write a report, stop.
+
+    A mistake in the run's files (the config, the prompt sets it names) ends it with a line per mistake,
+    ``tandem run: <file>: <what is wrong>; <what to change>``, and exit status 2, before anything starts
+    where it can be checked up front; another failure with ``tandem run failed: ...`` and 1."""
     import signal
 
     from deploy.main_job import JobError, run_job
     from deploy.stack import StackError
     from services.config import ConfigError, load_run_config
 
-    try:
-        run_config = load_run_config(config)
-    except ConfigError as e:
-        fail(str(e))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the run like Ctrl-C: its services with it
     try:
-        run_dir = run_job(config, run_config, load_settings("stack"), runs_dir(runs_root))
+        run_dir = run_job(config, load_run_config(config), load_settings("stack"), runs_dir(runs_root))
+    except ConfigError as e:  # the user's files (services.config): no traceback
+        fail("\n".join(f"tandem run: {line}" for line in str(e).splitlines()))
     except (JobError, StackError) as e:
         fail(f"tandem run failed: {e}", code=1)
     except KeyboardInterrupt:
@@ -145,10 +147,15 @@ def bootstrap_model(
 ) -> None:
     """Build the small example policy offline (random Qwen3 + a short supervised cold start)."""
     from deploy.progress import progress_bar
-    from examples.arith.bootstrap import SFT_STEPS, bootstrap
+    from examples.arith.bootstrap import SFT_STEPS, bootstrap, check_data
+    from services.config import ConfigError
 
     if not data.exists():
         fail(f"{data}: no such prompt set")
+    try:
+        check_data(data)
+    except ConfigError as e:
+        fail(str(e))
     steps = steps or SFT_STEPS
     with progress_bar("bootstrap SFT", total=steps) as update:
         path = bootstrap(out, data, steps=steps, seed=seed, progress=lambda s, n, loss: update(s, f"loss {loss:.3f}"))

@@ -23,6 +23,12 @@
 6. Audit the run's ledger (:mod:`deploy.audit`, as ``tandem audit``) and
    put the verdict in ``summary.json`` as ``audit``.
 
+Before any of it, :func:`check_files` reads the run's prompt sets as the control plane will (a
+minute later, once the stack is up): a mistake in the run's files (a path that does not exist, lines
+that do not fit the config, no answers for the example's cold start) is a
+:class:`~services.config.ConfigError` naming the file and what to change, which ``tandem run``
+prints as one line (exit 2) before anything starts.
+
 Exit code 0 only when every step succeeded and the audit passed.
 """
 
@@ -33,6 +39,8 @@ import importlib
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -41,6 +49,8 @@ from rich.console import Console
 from broker import Keys, WeightRegistry, connect
 from control_plane.trackers import TrackerError, preflight
 from deploy.audit import audit_file
+from deploy.client import http_error
+from deploy.datasets import FILE_KINDS
 from deploy.progress import console as cli_console
 from deploy.progress import progress_bar
 from deploy.report import cpu_text, eval_text, pass_at, write_plots, write_summary
@@ -48,8 +58,10 @@ from deploy.settings import StackSettings
 from deploy.stack import Stack
 from services import timeline, wire
 from services.clients import ControlClient
-from services.config import RunConfig
-from services.evaluate import EvalLog
+from services.config import ConfigError, RunConfig
+from services.evaluate import EvalLog, load_eval_set
+from services.prompt_forms import chat_template_in, prompt_forms
+from services.prompt_lines import MAX_ERRORS, LineError, LineParser, format_error, line_specs
 from services.run_states import TERMINAL_STATES
 
 
@@ -57,14 +69,72 @@ class JobError(RuntimeError):
     """The main job could not complete; the message says which step failed."""
 
 
-def ensure_model(config: RunConfig, console: Console) -> None:
+def check_files(config_path: Path, config: RunConfig) -> None:
+    """Raise :class:`ConfigError` for what the control plane would refuse in the run's prompt sets once
+    the stack is up: a file that does not exist, lines that do not fit the config's ``reward`` and
+    ``prompt`` sections (``services.prompt_lines``, ``services.prompt_forms``, as ``POST /v1/runs``
+    reads them). Only the reward server can say whether a python reward function is allowed."""
+    if config.data.eval is None:
+        raise ConfigError(f"{config_path}: data.eval: missing; tandem run reports held-out accuracy before and "
+                          "after training: name a held-out prompt set")
+    for field, path in (("data.train", config.data.train), ("data.eval", config.data.eval)):
+        if not path.exists():
+            raise ConfigError(f"{config_path}: {field}: {path} does not exist; correct the path (a relative one "
+                              "is read from the config's folder)")
+        if path.is_dir() or FILE_KINDS.get(path.suffix.lower(), "json") != "json":
+            raise ConfigError(f"{config_path}: {field}: {path} is a dataset, not the JSON lines tandem run reads; "
+                              f"import it (tandem prompts import {path} --map prompt=COLUMN,...) and train on it with "
+                              "tandem up and tandem submit --prompt-set ID (docs/tutorial.md)")
+    chat = chat_template_in(config.model.path)
+    try:
+        parser = LineParser(config.reward.type)
+        parser.feed(config.data.train.read_bytes())
+        lines = parser.finish()
+        line_specs(lines, config)
+        prompt_forms(lines, config, chat)
+    except LineError as e:
+        raise ConfigError(_line_problems(config.data.train, e, config_path)) from None
+    try:
+        load_eval_set(config.data.eval, config, None)
+    except LineError as e:
+        raise ConfigError(_line_problems(config.data.eval, e, config_path)) from None
+
+
+def _line_problems(path: Path, e: LineError, config_path: Path) -> str:
+    """The first problem of ``path``'s lines, and how many other lines have one (at least: a parser stops
+    at ``MAX_ERRORS``)."""
+    others = len({problem["line"] for problem in e.errors}) - 1
+    more = (f" (and {'at least ' if len(e.errors) >= MAX_ERRORS else ''}{others} more line{'s' if others > 1 else ''})"
+            if others else "")
+    return (f"{path}: {format_error(e.errors[0])}{more}; change the file, or the [reward] and [prompt] sections of "
+            f"{config_path} it is read with")
+
+
+@contextmanager
+def _refused_as(path: Path, files: dict[str, Path] | None = None) -> Iterator[None]:
+    """The control plane's 422 (the user's input: ``control_plane.app``) inside, as a :class:`ConfigError`
+    naming ``path``, with the ids of the prompt sets uploaded from ``files`` put back as their files."""
+    try:
+        yield
+    except httpx.HTTPStatusError as e:
+        if e.response.status_code != 422:
+            raise
+        message = http_error(e)
+        for set_id, file in (files or {}).items():
+            message = message.replace(f"prompt set {set_id}", str(file))
+        raise ConfigError(f"{path}: {message}") from None
+
+
+def ensure_model(config_path: Path, config: RunConfig, console: Console) -> None:
     if config.model.bootstrap is None:
         if (config.model.path / "config.json").exists():
             return
-        raise JobError(f"model.path {config.model.path} holds no model and model.bootstrap is not set")
+        raise ConfigError(f"{config_path}: model.path: {config.model.path} holds no model (no config.json); point "
+                          "it at a Hugging Face model folder, or set model.bootstrap to build an example model there")
     example = importlib.import_module(f"examples.{config.model.bootstrap}.bootstrap")
     if example.is_built(config.model.path, config.data.train):
         return
+    example.check_data(config.data.train)  # before the cold start is announced
 
     console.print(f"bootstrapping the example model into {config.model.path} (a one-time cold start)")
     with progress_bar("bootstrap SFT", total=example.SFT_STEPS) as update:
@@ -144,16 +214,16 @@ class _Ended(Exception):
 
 
 def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_root: Path = Path("runs")) -> Path:
-    """Run the main job; return the run directory. Raises :class:`JobError` on failure."""
+    """Run the main job; return the run directory. Raises :class:`ConfigError` for a mistake in the run's
+    files, :class:`JobError` on another failure."""
     console = cli_console()
     started = time.monotonic()
     try:
         preflight(config)  # the control plane would refuse the run: say so before anything starts
     except TrackerError as e:
         raise JobError(str(e)) from None
-    ensure_model(config, console)
-    if config.data.eval is None:
-        raise JobError("data.eval is required: the main job reports held-out accuracy before and after")
+    check_files(config_path, config)
+    ensure_model(config_path, config, console)
     work = runs_root.resolve() / f".stack-{os.getpid()}"
     stack = Stack(work, settings, config=config_path, echo=_stack_lines_only(console))
     run_id, failed = None, None
@@ -163,9 +233,14 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
 
         async def submit() -> wire.RunCreated:
             async with ControlClient(stack.url("control"), stack.token) as control:
-                info = await control.upload_prompt_set(config.data.train.read_bytes(), config.reward.type)
-                held_out = await control.upload_prompt_set(config.data.eval.read_bytes(), config.reward.type)
-                return await control.create_run(info.id, config.model_dump(mode="json"), held_out.id)
+                with _refused_as(config.data.train):
+                    info = await control.upload_prompt_set(config.data.train.read_bytes(), config.reward.type)
+                with _refused_as(config.data.eval):
+                    held_out = await control.upload_prompt_set(config.data.eval.read_bytes(), config.reward.type)
+                # a 422 here is what only the services can check: the model as they see it, the reward
+                # functions that lines take from the config's reward.type
+                with _refused_as(config_path, {info.id: config.data.train, held_out.id: config.data.eval}):
+                    return await control.create_run(info.id, config.model_dump(mode="json"), held_out.id)
 
         created = asyncio.run(submit())
         run_id = created.run_id

@@ -12,10 +12,11 @@ Service settings (ports, URLs, tokens) are not here: they come from
 
 from __future__ import annotations
 
+import difflib
 import string
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -505,16 +506,35 @@ class RunConfig(Section):
 
 
 class ConfigError(ValueError):
-    """A run config that cannot be used; the message names the file and the field."""
+    """A run's files cannot be used as they are: the run config, or a file it names (a prompt set that is
+    missing, or whose lines do not fit the config). The user's mistake, not a bug: the message names the
+    file and what to change, a line per mistake, and ``tandem run`` prints it without a traceback (exit 2)."""
 
 
 def format_validation_error(e: ValidationError, source: str) -> str:
     lines = []
     for err in e.errors():
         field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        msg = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
+        msg = _unknown_field(err["loc"]) if err["type"] == "extra_forbidden" else err["msg"]
         lines.append(f"{source}: {field}: {msg}")
     return "\n".join(lines)
+
+
+def _unknown_field(loc: tuple) -> str:
+    """What to do about a field the run config does not have: the name of its section's field it is
+    closest to (a misspelling), else that section's fields."""
+    model: type[BaseModel] | None = RunConfig
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        kinds = (get_args(field.annotation) or (field.annotation,)) if field is not None else ()
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if model is None:
+            return "unknown field"
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    if close:
+        return f"unknown field; did you mean {close[0]}?"
+    section = ".".join(str(k) for k in loc[:-1]) or "the top level"
+    return f"unknown field; remove it ({section} has: {', '.join(model.model_fields)})"
 
 
 def parse_run_config(data: dict, source: str = "<config>") -> RunConfig:

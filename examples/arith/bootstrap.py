@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from services.config import ConfigError
+
 ALPHABET = "0123456789+-*=<>/answer "
 SFT_STEPS = 600
 """Supervised steps of the cold start (learning rate decayed to zero by the last). Measured on
@@ -92,16 +94,24 @@ def slip(pairs: list[tuple[str, str]], share: float, seed: int) -> list[tuple[st
 
 
 def load_pairs(path: Path) -> list[tuple[str, str]]:
-    """(prompt, answer) of every line of a prompt set that has an ``answer``."""
+    """(prompt, answer) of every line of a prompt set that has both; :class:`ConfigError` when none has."""
     pairs = []
     for line in path.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            if "answer" in row:
+            if "prompt" in row and "answer" in row:
                 pairs.append((row["prompt"], str(row["answer"])))
     if not pairs:
-        raise ValueError(f"{path}: no line has an 'answer' to learn from")
+        raise ConfigError(f"{path}: no line has a 'prompt' and an 'answer' for the example model's cold start "
+                          "(model.bootstrap) to learn from; give the lines answers, or remove model.bootstrap and "
+                          "set model.path to a model of your own")
     return pairs
+
+
+def check_data(data: str | Path) -> None:
+    """Raise :class:`ConfigError` when ``data`` has nothing to cold-start on (``tandem run`` asks
+    before it announces the bootstrap)."""
+    load_pairs(Path(data))
 
 
 def is_cached(out: Path, recipe) -> bool:

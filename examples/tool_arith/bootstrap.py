@@ -33,6 +33,7 @@ from pathlib import Path
 
 from examples.arith.bootstrap import install, is_cached, lr_factor
 from examples.tiny import DEFAULT_ALPHABET
+from services.config import ConfigError
 
 ALPHABET = DEFAULT_ALPHABET
 """Printable ASCII: the prompts, the call and the answer tags need only a few characters, but an
@@ -84,12 +85,20 @@ def example(a: int, b: int, tool: bool) -> list[tuple[str, bool]]:
 
 
 def load_sums(data: Path) -> list[tuple[int, int]]:
-    """(a, b) of every ``a+b=`` prompt of the prompt set."""
+    """(a, b) of every ``a+b=`` prompt of the prompt set; :class:`ConfigError` when there is none."""
     sums = [(int(m[1]), int(m[2])) for line in data.read_text().splitlines() if line.strip()
-            if (m := SUM.fullmatch(json.loads(line)["prompt"]))]
+            if (m := SUM.fullmatch(str(json.loads(line).get("prompt", ""))))]
     if not sums:
-        raise ValueError(f"{data}: no 'a+b=' prompt to learn from")
+        raise ConfigError(f"{data}: no line has an 'a+b=' prompt for the example model's cold start "
+                          "(model.bootstrap) to learn from; give the lines such prompts, or remove model.bootstrap "
+                          "and set model.path to a model of your own")
     return sums
+
+
+def check_data(data: str | Path) -> None:
+    """Raise :class:`ConfigError` when ``data`` has nothing to cold-start on (``tandem run`` asks
+    before it announces the bootstrap)."""
+    load_sums(Path(data))
 
 
 def recipe_for(data: Path, steps: int = SFT_STEPS) -> Recipe:

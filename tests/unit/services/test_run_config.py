@@ -30,8 +30,16 @@ def test_there_is_an_example():
 def test_unknown_key_names_file_and_field(tmp_path):
     f = tmp_path / "run.toml"
     f.write_text('[model]\npath = "m"\n[data]\ntrain = "t"\n[loss]\neps_hihg = 0.3\n')
-    with pytest.raises(ConfigError, match=r"run\.toml: loss\.eps_hihg: unknown field"):
+    with pytest.raises(ConfigError, match=r"run\.toml: loss\.eps_hihg: unknown field; did you mean eps_high\?$"):
         load_run_config(f)
+
+
+def test_an_unknown_key_like_no_field_lists_its_sections_fields():
+    with pytest.raises(ConfigError, match=r"learner\.lora\.xyzzy: unknown field; remove it \(learner\.lora has: r, "
+                                          r"alpha, dropout, target_modules\)$"):
+        parse_run_config({**MINIMAL, "learner": {"lora": {"xyzzy": 1}}})
+    with pytest.raises(ConfigError, match=r": xyzzy: unknown field; remove it \(the top level has: name, model, "):
+        parse_run_config({**MINIMAL, "xyzzy": 1})
 
 
 def test_wrong_type_names_field():
