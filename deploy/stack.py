@@ -423,17 +423,19 @@ def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:
 
     vLLM's CPU backend pins its OpenMP threads; left alone, it and the
     learner's torch threads would both spin on every core. The rollout
-    server gets the first half of the cores, the learner the rest; the
-    reward server's sandboxes and the control plane are mostly idle. An
-    explicit setting in the environment wins (the caller's env is applied
-    after this).
+    server gets the first half of the cores, the learner the rest, and the
+    rollout server's too while no group is in flight (it waits for room:
+    ``learner.borrowed_cores``); the reward server's sandboxes and the
+    control plane are mostly idle. An explicit setting in the environment
+    wins (the caller's env is applied after this).
     """
     cores = cores or os.cpu_count() or 1
     rollout = max(1, cores // 2)
     if service == "rollout":
         return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{rollout - 1}" if rollout > 1 else "0"}
     if service == "learner":
-        return {"OMP_NUM_THREADS": str(max(1, cores - rollout))}
+        return {"OMP_NUM_THREADS": str(max(1, cores - rollout)),
+                "TANDEM_LEARNER_BORROW_THREADS": str(rollout if cores > 1 else 0)}
     return {}
 
 

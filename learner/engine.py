@@ -51,6 +51,7 @@ import torch
 
 from host.files import write_atomic
 from learner.batch import TrainSeq, bucket, collate, pack
+from learner.borrowed_cores import BorrowedCores
 from learner.crash import crash_point
 from learner.distributed import collective, init_distributed
 from learner.logits import chunk_count, scored_logprobs, spread, stop_token_ids
@@ -113,6 +114,8 @@ class LearnerEngine:
         self.watchdog = watchdog.Watchdog(sink=incidents, source=f"learner:rank{self.rank}")
         self.steps_taken = 0
         self.timeline = Timeline.off()
+        self.cores: BorrowedCores | None = None
+        """Set by the trainer where the learner may borrow the rollout server's cores (``learner.borrowed_cores``)."""
         """Spans of the step's parts (rank 0's trainer sets the run's; services.timeline)."""
         self.device = torch.device(get_accelerator().current_device_name())
         self._host: dict[str, torch.Tensor] = {}  # pinned host copies of the published weights (see _to_host)
@@ -262,6 +265,8 @@ class LearnerEngine:
         mbs = self.micro_batches(seqs)
         local = LossStats()
         for i, (mb, chunks) in enumerate(mbs):
+            if self.cores is not None:
+                self.cores.apply()
             batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                      for k, v in collate(mb, self.pad_id, packed=self.packed,
                                          min_tokens=cfg.sampling.min_tokens).items()}
@@ -280,6 +285,8 @@ class LearnerEngine:
                     self.timeline.span("backward", "rank0", micro_batch=i):
                 self.engine.backward(loss * self.world, scale_wrt_gas=False)
             local.merge(st)
+        if self.cores is not None:
+            self.cores.apply()
         with self._collective("optimizer step (DeepSpeed's gradient reduction / ZeRO all-gather)", in_step=True), \
                 self.timeline.span("optimizer", "rank0"):
             self.engine.step()
@@ -294,6 +301,8 @@ class LearnerEngine:
         out["grad_norm"] = float(norm) if norm is not None else None
         out["lr"] = float(self.scheduler.get_last_lr()[0])
         out["micro_batches"] = len(mbs)
+        if self.cores is not None:
+            out["cores_lent_frac"] = self.cores.lent_frac()
         return out
 
     # -- weights ---------------------------------------------------------------

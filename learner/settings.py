@@ -32,6 +32,12 @@ class LearnerSettings(WorkerSettings):
     learner of a run waits 1.5 times this for the lease and then gives up, naming its holder; a learner
     that cannot renew it for this long ends itself."""
 
+    borrow_threads: int = Field(default=0, ge=0)
+    """Torch threads the learner adds to its own while no group of its run is in flight (the rollout servers
+    wait for room), for a one-rank CPU learner that shares a machine's cores with a rollout server
+    (``learner.borrowed_cores``; TANDEM_LEARNER_BORROW_THREADS). ``tandem run`` and ``tandem up`` set it to
+    the rollout server's share of the cores (``deploy.stack.cpu_split``). 0: never."""
+
     broadcast_host: str = "127.0.0.1"
     """The address of this learner that rollout servers reach to join a weight broadcast
     (TANDEM_LEARNER_BROADCAST_HOST; the run config's ``publish.transport = "broadcast"``): rank 0 hosts

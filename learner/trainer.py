@@ -76,6 +76,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -129,6 +130,17 @@ def component_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
     return {f"reward_{name}": sums[name] / counts[name] for name in sorted(sums)}
+
+
+def reward_metric_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """``fn_<name>``: the mean over the step's groups of what python reward functions logged with
+    ``log_metric(name, value)`` (TRL logs it as ``name``; the name lower-cased, other characters than letters,
+    digits and ``_`` made ``_``, cut to 60)."""
+    values: dict[str, list[float]] = {}
+    for g in groups:
+        for name, value in g.reward_metrics.items():
+            values.setdefault("fn_" + re.sub(r"[^a-z0-9_]", "_", name.lower())[:60], []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def episode_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -244,7 +256,10 @@ class Trainer:
 
     async def _lead(self, state: dict | None) -> None:
         """Rank 0's run: resume, then feed -> step -> publish -> checkpoint -> ack -> report."""
+        import torch
+
         from broker import Keys, WeightRegistry, connect
+        from learner.borrowed_cores import BorrowedCores
         from learner.crash import crash_point
         from learner.feeder import Feeder
         from services import weightstore as store
@@ -258,6 +273,9 @@ class Trainer:
         self.timeline = self.engine.timeline = Timeline(self.settings.redis_url, Keys(self.run_id), "learner").start()
         try:
             self.keys = Keys(self.run_id)
+            if self.settings.borrow_threads and self.engine.world == 1 and self.engine.device.type == "cpu":
+                self.engine.cores = BorrowedCores(self.settings.redis_url, self.keys, own=torch.get_num_threads(),
+                                                  borrow=self.settings.borrow_threads)
             self.registry = WeightRegistry(self.redis, self.keys)
             self.publisher = Publisher(
                 self.engine, self.cfg, self.settings, self.redis, self.keys, self.registry,
@@ -270,7 +288,9 @@ class Trainer:
             )
             await self._resume(state)
             self._t_start, self._idle_start = time.monotonic(), self.feeder.idle_s
+            first = True
             while self.step < self.cfg.learner.steps and not self.stop_event.is_set():
+                t0, idle0 = time.monotonic(), self.feeder.idle_s
                 batch = await self._feed()
                 if batch is None:
                     break
@@ -290,10 +310,17 @@ class Trainer:
                     with self.timeline.span("checkpoint", "rank0", step=self.step):
                         await self._checkpoint()
                 await self._report(batch, stats, train_s)
+                if self.engine.cores is not None and not first:  # the first waited for the rollout side to start
+                    waited = self.feeder.idle_s - idle0
+                    self.engine.cores.step_ended(waited, time.monotonic() - t0 - waited)
+                first = False
             await self._finish()
         finally:
             if self.publisher is not None:  # failing: a half-written version is cleaned at the next start
                 await self.publisher.abandon()
+            if self.engine.cores is not None:
+                self.engine.cores.close()
+                self.engine.cores = None
             await self.timeline.stop_async()
             await self.redis.aclose()
 
@@ -443,7 +470,7 @@ class Trainer:
             "zero_variance_dropped": float(feeder.counts["zero_variance_dropped"]),
             "learner_tokens_per_s": st.tokens_per_s,
             "learner_idle_frac": st.idle_fraction,
-        } | component_means(groups) | episode_means(groups)
+        } | component_means(groups) | reward_metric_means(groups) | episode_means(groups)
         await self._write_state(point)
         if self.metrics is not None:
             self.metrics.observe_step(st, tokens)

@@ -517,8 +517,8 @@ class Actor:
 
         try:
             with self.timeline.span("score", "groups", group=pg.group_id):
-                results = await self._score(pg, gen.texts if isinstance(gen, EpisodeGeneration)
-                                            else [smp.text for smp in gen.samples], gen.samples)
+                results, reward_metrics = await self._score(pg, gen.texts if isinstance(gen, EpisodeGeneration)
+                                                            else [smp.text for smp in gen.samples], gen.samples)
         except httpx.HTTPStatusError as e:
             # the client has used up its own retries; the question now is whether a later delivery can succeed
             if not is_retryable(e):  # the request is wrong: repeating it cannot help
@@ -556,6 +556,7 @@ class Actor:
             rollout_id=self.server_id,
             gen_s=gen_s,
             logprobs_mode=self.engine.logprobs_mode,
+            reward_metrics=reward_metrics,
         )
         statuses: dict[str, int] = {}
         for smp in samples:
@@ -589,13 +590,15 @@ class Actor:
         self.metrics.groups.labels("redeliver").inc()
 
     async def _score(self, pg: wire.PromptGroup, texts: list[str],
-                     samples: list[wire.Sample]) -> list[wire.ScoreResult]:
-        """Rewards of the completions ``texts`` (sampled as ``samples``) in order; :class:`ScoringFailed` if
+                     samples: list[wire.Sample]) -> tuple[list[wire.ScoreResult], dict[str, float]]:
+        """Rewards of the completions ``texts`` (sampled as ``samples``) in order, and what the reward functions
+        logged with ``log_metric`` (a later attempt's value for a name wins); :class:`ScoringFailed` if
         infrastructure failures persist. A python reward function gets each sample's token ids as TRL's ``completion_ids``
         (an episode's: its model and observation tokens, as TRL's tool-calling completions hold both) and
         the learner's step at the version that generated the group as ``trainer_state``."""
         ids = [f"{pg.group_id}:{i}" for i in range(len(texts))]
         results: dict[str, wire.ScoreResult] = {}
+        metrics: dict[str, float] = {}
         todo = list(range(len(texts)))
         learner = self.config.learner
         state = wire.TrainerState(
@@ -608,13 +611,14 @@ class Actor:
                 trainer_state=state,
             )
             response = await self.reward.score(request)
+            metrics |= response.metrics
             by_id = {r.id: r for r in response.results}
             if set(by_id) != {ids[i] for i in todo}:
                 raise BadScoreResponse(f"asked for {len(todo)} ids, got results for {sorted(by_id)[:5]}")
             todo = [i for i in todo if by_id[ids[i]].status in wire.INFRA_STATUSES]
             results.update({k: v for k, v in by_id.items() if v.status not in wire.INFRA_STATUSES})
             if not todo:
-                return [results[i] for i in ids]
+                return [results[i] for i in ids], dict(list(metrics.items())[:32])
         failed = by_id[ids[todo[0]]]
         log.warning("group %s: %d samples still %s after %d attempts: %s", pg.group_id, len(todo), failed.status,
                     self.config.reward.retries + 1, failed.detail[:500])

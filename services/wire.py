@@ -516,9 +516,15 @@ class TrajectoryGroup(Wire):
     rollout_id: str = ""
     gen_s: float = Field(default=0.0, ge=0)
     logprobs_mode: LogprobsMode = "processed_logprobs"
+    reward_metrics: dict[Annotated[str, Field(min_length=1, max_length=100)], float] = Field(
+        default_factory=dict, max_length=32,
+        description="What python reward functions logged with log_metric while scoring the group (the means, by "
+                    "name: ScoreResponse.metrics); the learner logs each one's mean per step as fn_<name>.")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrajectoryGroup:
+        if not all(math.isfinite(v) for v in self.reward_metrics.values()):
+            raise ValueError("reward_metrics must be finite")
         if len(self.samples) != self.n:
             raise ValueError(f"{len(self.samples)} samples for a group of n={self.n}")
         oldest = min(s.policy_version for s in self.samples)

@@ -534,3 +534,51 @@ async def test_a_group_cancelled_again_while_it_cleans_up_still_leaves_the_in_fl
             assert gauge._value.get() == before
     finally:
         await reward.aclose()
+
+
+async def test_trls_reward_functions_score_a_runs_groups_as_trl_would(
+    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
+):
+    """Inside a run: each sample's reward from TRL's own functions (DAPO's overlong punishment, which reads
+    ``completion_ids``; an async function that reads ``trainer_state`` and logs a metric) is what TRL's call
+    gives on the same completion, its token ids and the learner's step at the group's version; what the
+    function logged reaches the learner's step metrics (``fn_<name>``)."""
+    import importlib
+    from types import SimpleNamespace
+
+    from learner.trainer import reward_metric_means
+    from services.reward_specs import PythonSpec
+
+    pytest.importorskip("trl")
+    config = _config(tiny_model, tmp_path, eta=2, groups_per_step=2, group_size=6)
+    registry = WeightRegistry(redis, keys)
+    version = weight_versions.next_version()
+    await _publish(registry, weight_versions, 400, version)
+    functions = ["overlong", "schedule"]
+    groups = {gid: f for f in functions for gid in await _enqueue(redis, keys, count=1, n=6,
+                                                                 spec=PythonSpec(function=f"tests.trl_rewards:{f}"))}
+    actor, task = actor_factory(config)
+    traj = Stream.trajectories(redis, keys)
+    await traj.ensure_group()
+    got, deadline = [], time.monotonic() + 90
+    while len(got) < len(groups):
+        assert time.monotonic() < deadline, await Stream.prompts(redis, keys).dead_letters()
+        got += [wire.decode(wire.TrajectoryGroup, d.envelope.payload)
+                for d in await traj.read("learner", count=2, block_ms=300)]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    trl = importlib.import_module("tests.trl_rewards")
+    for g in got:
+        fn = getattr(trl, groups[g.group_id])
+        logged: dict[str, list[float]] = {}
+        state = SimpleNamespace(global_step=min(g.policy_version * config.publish.every, config.learner.steps),
+                                max_steps=config.learner.steps, epoch=0.0)
+        out = fn(prompts=[g.prompt] * g.n, completions=[s.text for s in g.samples],
+                 completion_ids=[s.token_ids for s in g.samples], trainer_state=state,
+                 log_extra=lambda column, values: None,
+                 log_metric=lambda name, value: logged.setdefault(name, []).append(value))
+        expected = await out if asyncio.iscoroutine(out) else out
+        assert [s.reward for s in g.samples] == expected, groups[g.group_id]
+        assert any(r not in (0.0, -1.0) for r in expected), expected  # computed from the lengths, not a bound
+        assert g.reward_metrics == {k: sum(v) / len(v) for k, v in logged.items()}
+    assert set(reward_metric_means(got)) == {"fn_schedule_progress"}
