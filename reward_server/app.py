@@ -26,6 +26,7 @@ from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, py
 from reward_server.settings import RewardSettings
 from reward_server.verifiers.functions import Functions, Runner
 from reward_server.verifiers.judge import Judge
+from reward_server.verifiers.reward_models import RewardModels
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.scorer import Scorer, sandbox_jobs
 from services.app import ServiceError, create_app
@@ -116,9 +117,11 @@ def build_app(settings: RewardSettings, config=None, functions_runner: Runner | 
         judge = Judge.from_settings(settings)
         functions = Functions(settings.functions, workers=settings.function_workers,
                               timeout_s=settings.function_timeout_s, runner=functions_runner)
+        models = RewardModels(settings.models, device=settings.model_device, batch_size=settings.model_batch_size,
+                              max_tokens=settings.model_max_tokens, timeout_s=settings.model_timeout_s)
         if settings.functions:
             log.info("reward server: python reward functions allowed: %s", ", ".join(settings.functions))
-        app.state.scorer = Scorer(queue, math, judge, registry, functions=functions,
+        app.state.scorer = Scorer(queue, math, judge, registry, functions=functions, models=models,
                                   regex_timeout_s=settings.regex_timeout_s)
         app.state.sandbox_description = what
         if sandbox is not None:
@@ -128,6 +131,7 @@ def build_app(settings: RewardSettings, config=None, functions_runner: Runner | 
         finally:
             await judge.close()
             await functions.close()
+            await models.close()
             await math.close()
             if sandbox is not None:
                 await sandbox.close()

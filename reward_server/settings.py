@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -62,6 +63,21 @@ class RewardSettings(CommonSettings):
     function_timeout_s: float = Field(default=30.0, gt=0)
     """Longest one reward-function call may take before its worker is killed and its completions get
     ``reward_error`` (the group is retried, then dropped)."""
+    models: dict[str, Path] = Field(default_factory=dict)
+    """Reward models a prompt set's ``reward_model`` spec may name (TANDEM_REWARD_MODELS, a JSON object of
+    name -> folder, e.g. ``{"helpful": "/models/helpful-rm"}``): Hugging Face sequence-classification
+    models with one label. Loaded once each, on first use, in a worker process of their own
+    (``reward_server.verifiers.reward_models``). Empty (the default): every ``reward_model`` spec is refused."""
+    model_device: str = "cpu"
+    """Where the reward models run: ``cpu``, ``cuda``, ``cuda:1`` (TANDEM_REWARD_MODEL_DEVICE)."""
+    model_batch_size: int = Field(default=32, ge=1)
+    """Sequences one forward pass of a reward model takes."""
+    model_max_tokens: int = Field(default=4096, ge=16)
+    """Longest prompt + completion a reward model scores, in its tokens: a longer one is ``reward_error``
+    (TRL does not cut them either), so one line cannot take the worker's memory."""
+    model_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest one scoring call (a request's completions for one model, its first load included) may take
+    before the worker is killed and those completions get ``reward_error``."""
     regex_timeout_s: float = Field(default=1.0, gt=0, le=60)
     """Longest one prompt-set regex (a regex spec's pattern, a judge spec's score_pattern) may match."""
     modal_app: str = "tandem-reward"

@@ -17,7 +17,7 @@ The payloads that carry a spec live in :mod:`services.wire`; this module imports
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal, TypeVar, get_args
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
@@ -272,11 +272,39 @@ class PythonSpec(Spec):
         return self
 
 
+S = TypeVar("S", bound=Spec)
+
+MODEL_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+"""A reward model's name on the reward server (``TANDEM_REWARD_MODELS``' keys)."""
+
+
+class RewardModelSpec(Spec):
+    """A reward model scores prompt + completion: a Hugging Face sequence-classification model with one label,
+    as TRL's ``reward_funcs`` scores with a model (``reward_server.verifiers.reward_models``): the pair
+    rendered with the reward model's own chat template for a line of ``messages``, else the prompt text and
+    the completion joined, and the model's ``logits[:, 0]`` is the reward. The line names the model; the
+    reward server's operator says which models exist and where (``TANDEM_REWARD_MODELS``), so a prompt set
+    never chooses a path. ``{"prompt": ..., "type": "reward_model", "model": "helpful"}``."""
+
+    type: Literal["reward_model"] = "reward_model"
+    model: str = Field(pattern=MODEL_NAME, description="The reward model's name on the reward server.")
+
+
 MAX_COMBINED_DEPTH = 4
 """Combined specs nested in one another, the outermost counted (``combined(combined(x))`` is 2)."""
 MAX_COMBINED_LEAVES = 16
 """Specs other than combined ones under one combined spec, every level together: what scoring one
 completion fans out to (a python_tests leaf is a sandbox run)."""
+
+
+def leaves_of(spec: object, where: str, kind: type[S]) -> list[tuple[str, S]]:
+    """``(field path, spec)`` of every ``kind`` spec in ``spec``, combined parts included
+    (``items.3.spec.parts.1.spec``)."""
+    if isinstance(spec, kind):
+        return [(where, spec)]
+    if isinstance(spec, CombinedSpec):
+        return [found for i, p in enumerate(spec.parts) for found in leaves_of(p.spec, f"{where}.parts.{i}.spec", kind)]
+    return []
 
 
 def spec_shape(spec: object) -> tuple[int, int]:
@@ -312,12 +340,13 @@ class CombinedSpec(Spec):
 
 
 RewardSpec = Annotated[
-    MathSpec | ExactSpec | NumericSpec | RegexSpec | PythonTestsSpec | JudgeSpec | PythonSpec | CombinedSpec,
+    MathSpec | ExactSpec | NumericSpec | RegexSpec | PythonTestsSpec | JudgeSpec | PythonSpec | RewardModelSpec
+    | CombinedSpec,
     Field(discriminator="type"),
 ]
 WeightedSpec.model_rebuild()
 CombinedSpec.model_rebuild()
 
-RewardType = Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "python", "combined"]
+RewardType = Literal["math", "exact", "numeric", "regex", "python_tests", "judge", "python", "reward_model", "combined"]
 """The ``type`` of every spec in :data:`RewardSpec` (the run config's ``reward.type`` too)."""
 REWARD_TYPES: tuple[str, ...] = get_args(RewardType)

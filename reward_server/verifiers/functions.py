@@ -64,7 +64,7 @@ from reward_server.verifiers.function_worker import (
     split,
 )
 from reward_server.verifiers.result import infra, scored
-from services.reward_specs import CombinedSpec, PythonSpec, RewardSpec
+from services.reward_specs import PythonSpec, RewardSpec, leaves_of
 from services.wire import ScoreResult
 
 
@@ -88,11 +88,7 @@ class Leaf:
 
 def python_leaves(spec: RewardSpec, where: str) -> list[tuple[str, PythonSpec]]:
     """``(field path, spec)`` of every python spec in ``spec``."""
-    if isinstance(spec, PythonSpec):
-        return [(where, spec)]
-    if isinstance(spec, CombinedSpec):
-        return [found for i, p in enumerate(spec.parts) for found in python_leaves(p.spec, f"{where}.parts.{i}.spec")]
-    return []
+    return leaves_of(spec, where, PythonSpec)
 
 
 Extra = float | int | bool | str | None

@@ -29,6 +29,7 @@ from reward_server.verifiers.functions import Functions, Leaf, Scored, python_le
 from reward_server.verifiers.judge import Judge, UrlRefused
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.result import infra, scored
+from reward_server.verifiers.reward_models import ModelLeaf, RewardModels
 from services.app import ServiceError
 from services.reward_specs import (
     CombinedSpec,
@@ -39,7 +40,9 @@ from services.reward_specs import (
     PythonSpec,
     PythonTestsSpec,
     RegexSpec,
+    RewardModelSpec,
     RewardSpec,
+    leaves_of,
 )
 from services.wire import ScoreItem, ScoreResponse, ScoreResult, TrainerState
 
@@ -69,22 +72,28 @@ def _refused(field: str, msg: str, kind: str) -> ServiceError:
 
 class Scorer:
     def __init__(self, queue: ExecQueue, math: MathVerifier, judge: Judge, registry: CollectorRegistry, *,
-                 functions: Functions | None = None, regex_timeout_s: float = text.REGEX_TIMEOUT_S) -> None:
+                 functions: Functions | None = None, models: RewardModels | None = None,
+                 regex_timeout_s: float = text.REGEX_TIMEOUT_S) -> None:
         self.queue, self.math, self.judge = queue, math, judge
         self.functions = functions if functions is not None else Functions([])
+        self.models = models if models is not None else RewardModels({})
         self.regex_timeout_s = regex_timeout_s
         self.m_scored = Counter("reward_scored", "Scored items by type and status", ["type", "status"],
                                 registry=registry)
 
     async def check(self, items: list[ScoreItem]) -> None:
-        """Raise a 422 :class:`ServiceError` naming the first judge url or python function the server will not
-        call (a function with a required parameter the spec's fields and args do not give is one)."""
+        """Raise a 422 :class:`ServiceError` naming the first judge url, reward model or python function the server
+        will not call (a function with a required parameter the spec's fields and args do not give is one)."""
         for i, item in enumerate(items):
             for field, url in judge_urls(item.spec, f"items.{i}.spec"):
                 try:
                     self.judge.check_url(url)
                 except UrlRefused as e:
                     raise _refused(field, str(e), "url_refused") from e
+        for i, item in enumerate(items):
+            for where, spec in leaves_of(item.spec, f"items.{i}.spec", RewardModelSpec):
+                if (why := self.models.refusal(spec.model)) is not None:
+                    raise _refused(f"{where}.model", why, "model_refused")
         leaves = [(i, where, spec) for i, item in enumerate(items)
                   for where, spec in python_leaves(item.spec, f"items.{i}.spec")]
         for _i, where, spec in leaves:
@@ -94,12 +103,20 @@ class Scorer:
 
     async def score_all(self, items: list[ScoreItem], trainer_state: TrainerState | None = None) -> ScoreResponse:
         await self.check(items)
-        scoring = await self.functions.score([
-            Leaf(where, item.id, item.prompt if item.messages is None else [m.model_dump() for m in item.messages],
-                 item.completion, spec, item.completion_ids)
-            for i, item in enumerate(items) for where, spec in python_leaves(item.spec, f"items.{i}.spec")],
-            None if trainer_state is None else trainer_state.model_dump())
-        done = scoring.verdicts
+
+        def prompt(item: ScoreItem) -> str | list[dict]:
+            return item.prompt if item.messages is None else [m.model_dump() for m in item.messages]
+
+        scoring, modelled = await asyncio.gather(
+            self.functions.score([
+                Leaf(where, item.id, prompt(item), item.completion, spec, item.completion_ids)
+                for i, item in enumerate(items) for where, spec in python_leaves(item.spec, f"items.{i}.spec")],
+                None if trainer_state is None else trainer_state.model_dump()),
+            self.models.score([
+                ModelLeaf(where, item.id, prompt(item), item.completion, spec)
+                for i, item in enumerate(items)
+                for where, spec in leaves_of(item.spec, f"items.{i}.spec", RewardModelSpec)]))
+        done = scoring.verdicts | modelled
         results = await asyncio.gather(*(self._top(item.id, item.completion, item.spec, f"items.{i}.spec", done)
                                          for i, item in enumerate(items)))
         for item, result in zip(items, results, strict=True):
@@ -118,7 +135,7 @@ class Scorer:
 
     async def _score(self, item_id: str, completion: str, spec: RewardSpec, where: str,
                      done: dict[str, Scored]) -> Scored:
-        if isinstance(spec, PythonSpec):
+        if isinstance(spec, PythonSpec | RewardModelSpec):
             return done[where]
         if isinstance(spec, MathSpec):
             return await self.math.score(item_id, completion, spec)
