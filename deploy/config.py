@@ -27,6 +27,7 @@ produced them. Modal itself is not imported here.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deploy.layout import Layout, gpu_type_and_count, rollout_env
 from services.config import read_toml
+from services.reward_specs import MODEL_NAME
 
 RUN_DIR = "/runs"
 """Where the weights volume is mounted in every container, and ``TANDEM_RUN_DIR`` there."""
@@ -75,6 +77,9 @@ IMAGE_PACKAGES = {
     "learner": CORE_PACKAGES + [TORCH] + EXTRA_PACKAGES["learner"] + EXTRA_PACKAGES["modal"],
     "autoscale": CORE_PACKAGES + EXTRA_PACKAGES["modal"],
     "functions": CORE_PACKAGES + EXTRA_PACKAGES["reward"],
+    "models": CORE_PACKAGES + [TORCH] + EXTRA_PACKAGES["reward"] + [
+        pin for pin in EXTRA_PACKAGES["learner"] if pin.split(">")[0].split("=")[0] in ("transformers", "safetensors",
+                                                                                         "tokenizers")],
 }
 """pip packages of each role's image: the reward server needs modal for its sandbox backend, the
 rollout servers and the learner for reloading and committing the weights volume, the autoscaler
@@ -226,6 +231,16 @@ class ModalDeploy(BaseModel):
     functions_network: bool = False
     """Let the reward functions' containers reach the network (a function that calls a web API); False:
     ``block_network``, no network at all."""
+    reward_models: dict[str, str] = Field(default_factory=dict)
+    """Reward models a prompt set's ``reward_model`` spec may name: name -> a Hugging Face sequence-classification
+    folder where you deploy (``{"helpful": "models/helpful-rm"}``), shipped in the image of the reward models'
+    containers (``RewardModelWorker``) at ``/reward-models/<name>``; the reward server's
+    ``TANDEM_REWARD_MODELS`` is set to those paths. Empty: no such containers."""
+    models: RoleDeploy = RoleDeploy(cpu=2.0, memory_mib=8192, min_containers=0, max_containers=4, timeout_s=600,
+                                    concurrency=1)
+    """The containers that run the reward models (``gpu`` for a GPU): each starts from a memory snapshot of the
+    models loaded on the CPU (``enable_memory_snapshot``), then moves them to its GPU; a Restricted Function
+    like the reward functions' (no Modal API, no Secret, no volume, no network)."""
     learner: RoleDeploy = RoleDeploy(gpu="H100:8", cpu=32.0, memory_mib=256 * 1024,
                                      scaledown_window_s=60, retries=10)
     """The learner: a job of ``nodes`` containers per run (each with all 8 GPUs of its node), spawned by
@@ -250,7 +265,7 @@ class ModalDeploy(BaseModel):
     def _roles(self) -> ModalDeploy:
         if self.app_name is not None:
             check_app_name(self.app_name, "modal.app_name")
-        for name in ("control", "rollout", "reward", "functions"):
+        for name in ("control", "rollout", "reward", "functions", "models"):
             if getattr(self, name).nodes != 1:
                 raise ValueError(f"modal.{name}.nodes: only the learner runs on several nodes")
             if getattr(self, name).retries:
@@ -266,6 +281,9 @@ class ModalDeploy(BaseModel):
         if self.i6pn and self.region is None:
             raise ValueError("modal.i6pn: Modal's private network reaches only containers of one region: set "
                              "modal.region (near the Redis)")
+        for name in self.reward_models:
+            if not re.fullmatch(MODEL_NAME, name):
+                raise ValueError(f"modal.reward_models: {name!r} is not a reward model name (letters, digits, . _ -)")
         for module in self.modules:
             if not MODULE.match(module):
                 raise ValueError(f"modal.modules: {module!r} is not a Python import name (\"my_rewards\")")
@@ -318,6 +336,8 @@ def role_options(plan: ModalDeploy, role: str) -> dict:
         options["i6pn"] = True
     if role == "functions":  # runs the user's functions on model-written completions: no Modal API, no network
         options |= {"restrict_modal_access": True, "block_network": not plan.functions_network}
+    if role == "models":  # reads model-written completions; starts from a snapshot of the loaded models
+        options |= {"restrict_modal_access": True, "block_network": True, "enable_memory_snapshot": True}
     if role == "learner":
         return options | {"max_containers": r.nodes, "scaledown_window": r.scaledown_window_s}
     return options | {"min_containers": r.min_containers, "max_containers": r.max_containers,
@@ -335,7 +355,7 @@ SECRET_KEYS = {
 def role_secret(plan: ModalDeploy, role: str) -> tuple[str, list[str]] | None:
     """(Secret name, its required keys) of ``role``: the reward server gets its own (``reward_secret``,
     its token only), the reward functions' containers none; the others share ``secret``."""
-    if role == "functions":
+    if role in ("functions", "models"):
         return None
     if role == "reward":
         return plan.reward_secret, SECRET_KEYS["reward"]
@@ -347,7 +367,7 @@ def role_volumes(role: str) -> tuple[str, ...]:
     reward functions' (they handle model-written code; whoever can write checkpoints can run code in the
     learner) nor the
     autoscaler's (it reads Redis only)."""
-    return () if role in ("reward", "functions", "autoscale") else (RUN_DIR,)
+    return () if role in ("reward", "functions", "models", "autoscale") else (RUN_DIR,)
 
 
 def layout_of(section: ModalDeploy) -> Layout:
@@ -374,11 +394,22 @@ def role_env(plan: ModalDeploy, role: str) -> dict[str, str]:
         env["TANDEM_LEARNER_BROADCAST_HOST"] = ""  # no address a rollout container reaches: files only, no wait
     if role == "reward":
         env["TANDEM_REWARD_SANDBOX"] = "modal"
+        if plan.reward_models:
+            env["TANDEM_REWARD_MODELS"] = json.dumps(reward_model_paths(plan))
     if role == "rollout":
         env["TANDEM_HOST"] = "0.0.0.0"  # @modal.web_server forwards to the container's port
         env["TANDEM_PORT"] = str(plan.rollout_port)
         env |= rollout_env(layout_of(plan))  # vLLM's tensor / data parallel sizes
     return env
+
+
+REWARD_MODELS_DIR = "/reward-models"
+"""Where the reward models' image holds ``[modal].reward_models``, one folder per name."""
+
+
+def reward_model_paths(plan: ModalDeploy) -> dict[str, str]:
+    """``[modal].reward_models``' names -> their folders in the reward models' image."""
+    return {name: f"{REWARD_MODELS_DIR}/{name}" for name in plan.reward_models}
 
 
 def describe(plan: ModalDeploy, run_name: str) -> list[str]:
@@ -394,6 +425,11 @@ def describe(plan: ModalDeploy, run_name: str) -> list[str]:
         r = getattr(plan, which)
         lines.append(f"  {which}: web endpoint <workspace>--{name}-{which}.modal.run; {role(r)}; "
                      f"{r.min_containers}..{r.max_containers or 'any'} containers")
+    if plan.reward_models:
+        r = plan.models
+        lines.append(f"  reward models ({', '.join(plan.reward_models)}): called by the reward server, from a memory "
+                     f"snapshot, no Modal API, no secret, no volume, no network; {role(r)}; "
+                     f"{r.min_containers}..{r.max_containers or 'any'} containers, {r.concurrency} call(s) each")
     r = plan.functions
     lines.append(f"  reward functions: called by the reward server, no Modal API, no secret, no volume, "
                  f"{'network' if plan.functions_network else 'no network'}; {role(r)}; "

@@ -7,6 +7,7 @@ Who talks to whom (as in the local stack; docs/architecture.md section 1):
 | ``control`` | CPU, ``@modal.asgi_app`` | ``control_plane.build_app`` (what ``tandem serve control`` serves), which spawns ``learner`` for each run it accepts |
 | ``reward`` | CPU, ``@modal.asgi_app`` | ``reward_server.build_app`` with ``TANDEM_REWARD_SANDBOX=modal`` |
 | ``RewardFunctions.run`` | CPU class, Restricted Function | the reward server's python reward functions (``function_worker``) |
+| ``RewardModelWorker.score`` | class (GPU with ``[modal.models].gpu``), Restricted Function, memory snapshot | the reward models of ``[modal].reward_models`` (only when it lists some) |
 | ``Rollout.serve`` | GPU class, ``@modal.web_server`` | ``tandem serve rollout --config RUN.toml`` (vLLM + actor loop) |
 | ``learner`` | ``H100:8`` (× nodes, ``@modal.clustered``), a call per run, retried | ``torchrun ... -m deploy.cli serve learner`` for that run (``TANDEM_LEARNER_ONE_RUN``) |
 | ``autoscale`` | CPU, scheduled | ``deploy.autoscale.tick``: sets ``Rollout``'s ``min_containers`` from the backlog |
@@ -76,6 +77,7 @@ import modal
 from deploy import launch
 from deploy.config import (
     IMAGE_PACKAGES,
+    REWARD_MODELS_DIR,
     SERVICE_ROLES,
     USER_ROLES,
     ModalDeploy,
@@ -132,6 +134,15 @@ def image_sources(role: str) -> tuple[str, ...]:
     """The Python packages ``role``'s image ships: tandem's, and ``[modal].modules`` in the control, reward
     functions' and rollout images (the reward functions and tools their settings name)."""
     return SOURCES + (tuple(SECTION.modules) if role in USER_ROLES else ())
+
+
+def _models_image() -> modal.Image:
+    """The reward models' image: the ``models`` role's, and each of ``[modal].reward_models``' folders at
+    ``/reward-models/<name>``."""
+    image = _image("models")
+    for name, folder in SECTION.reward_models.items():
+        image = image.add_local_dir(folder, f"{REWARD_MODELS_DIR}/{name}")
+    return image
 
 
 def _image(role: str) -> modal.Image:
@@ -210,7 +221,8 @@ def reward():
     from reward_server import build_app
     from reward_server.settings import RewardSettings
 
-    return build_app(_settings(RewardSettings), load_run_config(RUN_CONFIG), functions_runner=_run_functions)
+    return build_app(_settings(RewardSettings), load_run_config(RUN_CONFIG), functions_runner=_run_functions,
+                     models_runner=_run_reward_model if SECTION.reward_models else None)
 
 
 @app.cls(**_options("functions"))
@@ -235,14 +247,51 @@ class RewardFunctions:
         return getattr(function_worker, name)(*args)
 
 
-async def _run_functions(name: str, args: tuple) -> object:
-    """The reward server's ``functions_runner``: ``RewardFunctions.run`` as a call of its own. Cancelled (the
-    server's ``function_timeout_s`` ran out, or its client went away), the call is cancelled and its
-    container ended, so a function that hangs does not keep it."""
+if SECTION.reward_models:
+
+    @app.cls(**(_options("models") | {"image": _models_image()}))
+    @modal.concurrent(max_inputs=SECTION.models.concurrency)
+    class RewardModelWorker:
+        """The reward models of ``[modal].reward_models``: loaded on the CPU into the container's memory snapshot
+        (``enable_memory_snapshot``), so a new container starts with them in memory; moved to its GPU when it has
+        one. A Restricted Function: no Modal API, no Secret, no volume, no network."""
+
+        @modal.enter(snap=True)
+        def load(self) -> None:
+            from deploy.config import reward_model_paths
+            from reward_server.verifiers.reward_models import _load
+
+            for folder in reward_model_paths(SECTION).values():
+                _load(folder, "cpu")
+
+        @modal.enter(snap=False)
+        def to_device(self) -> None:
+            from reward_server.verifiers.reward_models import move_loaded
+
+            if SECTION.models.gpu:
+                move_loaded("cuda")
+
+        @modal.method()
+        def score(self, folder: str, pairs: list, batch_size: int, max_tokens: int) -> list:
+            from reward_server.verifiers.reward_models import rewards
+
+            return rewards(folder, "cuda" if SECTION.models.gpu else "cpu", batch_size, max_tokens, pairs)
+
+
+async def _run_reward_model(folder: str, pairs: list, batch_size: int, max_tokens: int) -> list:
+    """The reward server's ``models_runner``: ``RewardModelWorker.score`` as a call of its own, cancelled with
+    its container when the server stops waiting (``model_timeout_s``)."""
+    return await _remote(RewardModelWorker().score, folder, pairs, batch_size, max_tokens)
+
+
+async def _remote(method, *args) -> object:
+    """``method`` (a Modal method) called with ``args`` as a call of its own. Cancelled (the reward server's bound
+    ran out, or its client went away), the call is cancelled and its container ended, so a call that hangs does
+    not keep it; a call Modal lost is a :class:`~reward_server.verifiers.functions.WorkerLost`."""
     from reward_server.verifiers.functions import WorkerLost
 
     try:
-        call = await RewardFunctions().run.spawn.aio(name, args)
+        call = await method.spawn.aio(*args)
         try:
             return await call.get.aio()
         except asyncio.CancelledError:
@@ -250,6 +299,12 @@ async def _run_functions(name: str, args: tuple) -> object:
             raise
     except modal.exception.Error as e:
         raise WorkerLost(f"modal: {type(e).__name__}: {e}") from e
+
+
+async def _run_functions(name: str, args: tuple) -> object:
+    """The reward server's ``functions_runner``: ``RewardFunctions.run`` as a call of its own (:func:`_remote`),
+    cancelled with its container when the server's ``function_timeout_s`` runs out."""
+    return await _remote(RewardFunctions().run, name, args)
 
 
 @app.cls(**_options("rollout"))

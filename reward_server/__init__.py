@@ -12,12 +12,14 @@ if TYPE_CHECKING:
 
     from reward_server.settings import RewardSettings
     from reward_server.verifiers.functions import Runner
+    from reward_server.verifiers.reward_models import ModelRunner
 
 
-def build_app(settings: RewardSettings, config=None, functions_runner: Runner | None = None) -> FastAPI:
+def build_app(settings: RewardSettings, config=None, functions_runner: Runner | None = None,
+              models_runner: ModelRunner | None = None) -> FastAPI:
     from reward_server.app import build_app as _build
 
-    return _build(settings, config, functions_runner)
+    return _build(settings, config, functions_runner, models_runner)
 
 
 def serve(settings: RewardSettings, config=None) -> None:

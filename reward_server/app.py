@@ -26,7 +26,7 @@ from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, py
 from reward_server.settings import RewardSettings
 from reward_server.verifiers.functions import Functions, Runner
 from reward_server.verifiers.judge import Judge
-from reward_server.verifiers.reward_models import RewardModels
+from reward_server.verifiers.reward_models import ModelRunner, RewardModels
 from reward_server.verifiers.math import MathVerifier
 from reward_server.verifiers.scorer import Scorer, sandbox_jobs
 from services.app import ServiceError, create_app
@@ -94,10 +94,11 @@ async def execute(body: ExecuteRequest, request: Request) -> ExecuteResult:
                          truncated=outcome.truncated)
 
 
-def build_app(settings: RewardSettings, config=None, functions_runner: Runner | None = None) -> FastAPI:
+def build_app(settings: RewardSettings, config=None, functions_runner: Runner | None = None,
+              models_runner: ModelRunner | None = None) -> FastAPI:
     """The reward server. ``config`` (a RunConfig) is accepted for ``tandem serve``; settings drive it.
-    ``functions_runner``: where python reward functions run (default: a pool of worker processes here;
-    on Modal, a Restricted Function of their own)."""
+    ``functions_runner``, ``models_runner``: where python reward functions and reward models run (default:
+    worker processes here; on Modal, containers of their own)."""
     registry = CollectorRegistry()
 
     @contextlib.asynccontextmanager
@@ -118,7 +119,8 @@ def build_app(settings: RewardSettings, config=None, functions_runner: Runner | 
         functions = Functions(settings.functions, workers=settings.function_workers,
                               timeout_s=settings.function_timeout_s, runner=functions_runner)
         models = RewardModels(settings.models, device=settings.model_device, batch_size=settings.model_batch_size,
-                              max_tokens=settings.model_max_tokens, timeout_s=settings.model_timeout_s)
+                              max_tokens=settings.model_max_tokens, timeout_s=settings.model_timeout_s,
+                              runner=models_runner)
         if settings.functions:
             log.info("reward server: python reward functions allowed: %s", ", ".join(settings.functions))
         app.state.scorer = Scorer(queue, math, judge, registry, functions=functions, models=models,

@@ -14,7 +14,8 @@ here the same way:
 
 Who runs it: a worker process of its own (one spawned ``pebble.ProcessPool`` worker), which loads each
 model the operator lists in ``TANDEM_REWARD_MODELS`` once, on first use, onto ``model_device``, and
-scores in batches of ``model_batch_size``. A prompt set only names a model: a name the setting does not
+scores in batches of ``model_batch_size``; or a :data:`ModelRunner` elsewhere (on Modal, a container of
+its own with a GPU if asked, started from a memory snapshot of the loaded models: ``deploy.modal_app``). A prompt set only names a model: a name the setting does not
 list is refused before anything is scored (a 422 naming the field). A call past ``model_timeout_s``
 kills the worker (the next call starts another, which loads again) and its completions get
 ``reward_error``, as do a prompt + completion longer than ``model_max_tokens`` and a logit that is not
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,10 @@ from services.wire import ScoreResult
 
 _LOADED: dict[tuple[str, str], tuple] = {}
 """In the worker: (folder, device) -> (tokenizer, model), loaded once."""
+
+ModelRunner = Callable[[str, list[tuple[str | list[dict], str]], int, int], Awaitable[list[float | str]]]
+"""``runner(folder, pairs, batch_size, max_tokens)``: :func:`rewards` for the model in ``folder`` somewhere
+other than this server's worker, on the device it has; cancelling it stops the call."""
 
 
 def _load(path: str, device: str) -> tuple:
@@ -50,6 +56,14 @@ def _load(path: str, device: str) -> tuple:
         model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
         _LOADED[(path, device)] = tokenizer, model
     return _LOADED[(path, device)]
+
+
+def move_loaded(device: str) -> None:
+    """In the worker: every model loaded on the CPU, on ``device`` as well (Modal: the models loaded into the
+    memory snapshot, then moved to the GPU the restored container has)."""
+    for (path, where), (tokenizer, model) in list(_LOADED.items()):
+        if where == "cpu" and (path, device) not in _LOADED:
+            _LOADED[(path, device)] = tokenizer, model.to(device)
 
 
 def rewards(path: str, device: str, batch_size: int, max_tokens: int,
@@ -95,10 +109,12 @@ class RewardModels:
     """The reward models this server may load (name -> folder) and the worker that runs them."""
 
     def __init__(self, models: dict[str, Path], *, device: str = "cpu", batch_size: int = 32,
-                 max_tokens: int = 4096, timeout_s: float = 120.0) -> None:
+                 max_tokens: int = 4096, timeout_s: float = 120.0, runner: ModelRunner | None = None) -> None:
         self.models = {name: str(path) for name, path in models.items()}
         self.device, self.batch_size, self.max_tokens, self.timeout_s = device, batch_size, max_tokens, timeout_s
-        self._pool = ProcessPool(max_workers=1, context=mp.get_context("spawn")) if models else None
+        self._runner = runner
+        self._pool = (ProcessPool(max_workers=1, context=mp.get_context("spawn"))
+                      if models and runner is None else None)
 
     def refusal(self, name: str) -> str | None:
         """Why ``name`` cannot be scored with; None if the server lists it."""
@@ -130,6 +146,8 @@ class RewardModels:
         return done
 
     async def _run(self, path: str, pairs: list[tuple[str | list[dict], str]]) -> list[float | str]:
+        if self._runner is not None:
+            return await asyncio.wait_for(self._runner(path, pairs, self.batch_size, self.max_tokens), self.timeout_s)
         assert self._pool is not None  # only listed models get here, and a list makes a pool
         future = self._pool.schedule(rewards, (path, self.device, self.batch_size, self.max_tokens, pairs),
                                      timeout=self.timeout_s)

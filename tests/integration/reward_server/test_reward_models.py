@@ -52,12 +52,27 @@ def trls_own(path: Path, prompts: list, completions: list) -> list[float]:
         return model(**inputs).logits[:, 0].tolist()
 
 
+async def in_a_thread(folder: str, pairs: list, batch_size: int, max_tokens: int) -> list:
+    """A ``models_runner`` that scores in a thread of this process, the models loaded on the CPU and then "moved"
+    (on Modal the runner is a call of the memory-snapshotted container: ``deploy.modal_app._run_reward_model``)."""
+    from reward_server.verifiers.reward_models import _load, move_loaded, rewards
+
+    def run() -> list:
+        _load(folder, "cpu")
+        move_loaded("cpu")
+        return rewards(folder, "cpu", batch_size, max_tokens, pairs)
+
+    return await asyncio.to_thread(run)
+
+
+@pytest.mark.parametrize("runner", [None, in_a_thread], ids=["worker", "models_runner"])
 @pytest.mark.parametrize("conversational", [True, False], ids=["messages", "prompt"])
-async def test_a_reward_model_scores_what_trl_scores(reward_app, reward_model, conversational):
+async def test_a_reward_model_scores_what_trl_scores(reward_app, reward_model, conversational, runner):
     spec = {"type": "reward_model", "model": "rm"}
     prompt = {"messages": PROMPT} if conversational else {"prompt": "What is 6 x 7? "}
     items = [{"id": str(i), **prompt, "completion": c, "spec": spec} for i, c in enumerate(COMPLETIONS)]
-    async with reward_app(sandbox="none", models={"rm": str(reward_model)}, model_batch_size=2) as (_app, client):
+    async with reward_app(sandbox="none", models={"rm": str(reward_model)}, model_batch_size=2,
+                          models_runner=runner) as (_app, client):
         resp = await client.post("/v1/score", json={"items": items})
         assert resp.status_code == 200, resp.text
         results = resp.json()["results"]

@@ -253,6 +253,45 @@ def test_reward_functions_run_in_a_restricted_function_with_no_secret_volume_or_
     assert "no Modal API, no secret, no volume" in line and ("no network" in line) is (not network)
 
 
+def test_reward_models_run_in_a_restricted_container_that_starts_from_a_memory_snapshot(monkeypatch, tmp_path):
+    """[modal] reward_models: the models ship in an image of their own, load on the CPU into the container's
+    memory snapshot and move to the GPU [modal.models] asks for after a restore; the container reaches no
+    Modal API, no Secret, no volume, no network; the reward server is told their paths and hands its
+    reward-model calls to it. Without reward models there is no such container."""
+    import json
+
+    from modal._partial_function import _PartialFunctionFlags as Flags
+
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text("{}")
+    added = []
+    real = modal.Image.add_local_dir
+
+    def add_local_dir_recorder_mock(self, local, remote, **kw):
+        added.append((str(local), remote))
+        return real(self, local, remote, **kw)
+
+    monkeypatch.setattr(modal.Image, "add_local_dir", add_local_dir_recorder_mock)
+    module, spy = load_app(monkeypatch, tmp_path, f'[modal]\nreward_models = {{ rm = "{rm}" }}\n'
+                                                  '[modal.models]\ngpu = "L4"\n')
+    kw = spy.calls[id(module.RewardModelWorker)]
+    assert kw["enable_memory_snapshot"] is True and kw["restrict_modal_access"] is True and kw["block_network"] is True
+    assert kw["gpu"] == "L4" and kw["secrets"] == [] and kw["volumes"] == {}
+    assert added == [(str(rm), "/reward-models/rm")]
+    user = module.RewardModelWorker._get_user_cls()
+    flags = {name: _raw(vars(user)[name]).flags for name in ("load", "to_device")}
+    assert flags == {"load": Flags.ENTER_PRE_SNAPSHOT, "to_device": Flags.ENTER_POST_SNAPSHOT}
+    assert json.loads(role_env(module.SECTION, "reward")["TANDEM_REWARD_MODELS"]) == {"rm": "/reward-models/rm"}
+    reward = _functions(ast.parse(MODULE.read_text()))["reward"]
+    assert [k.arg for n in ast.walk(reward) if isinstance(n, ast.Call) for k in n.keywords
+            if k.arg == "models_runner"] == ["models_runner"]
+    plain, _ = load_app(monkeypatch, tmp_path, None)
+    assert not hasattr(plain, "RewardModelWorker") and "TANDEM_REWARD_MODELS" not in role_env(plain.SECTION, "reward")
+    with pytest.raises(ValueError, match="modal.reward_models"):
+        ModalDeploy(reward_models={"../x": "/tmp"})
+
+
 class _CallMock:
     """Mock of a Modal ``FunctionCall`` (Modal's cloud cannot be reached here): ``get`` waits until
     cancelled, or raises what it is given; ``cancel`` is recorded."""
