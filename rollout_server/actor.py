@@ -522,8 +522,9 @@ class Actor:
         except httpx.HTTPStatusError as e:
             # the client has used up its own retries; the question now is whether a later delivery can succeed
             if not is_retryable(e):  # the request is wrong: repeating it cannot help
-                await self._drop(delivery, ticket, "score_refused", f"reward server refused the group: {e.response.text[:500]}")
-                return
+                refused = f"reward server refused the group: {e.response.text[:500]}"
+                await self._drop(delivery, ticket, "score_refused", refused)
+                return await self._scoring_failed(refused)  # a line the reward server refuses: every one will be
             return await self._retry_later(delivery, ticket, f"reward server error {e.response.status_code}")
         except httpx.TransportError as e:  # retryable, always (is_retryable)
             return await self._retry_later(delivery, ticket, f"reward server unreachable: {e!r}")
@@ -625,8 +626,10 @@ class Actor:
         raise ScoringFailed(f"{failed.status}: {failed.detail[:1000]}")
 
     async def _scoring_failed(self, why: str) -> None:
-        """One more group in a row dropped because scoring it failed with ``why``; at ``reward.fail_after`` the
-        run fails with it (an incident says so; the learner sees the run end and stops)."""
+        """One more group in a row dropped because scoring it failed with ``why`` (infrastructure statuses after
+        every retry, or a request the reward server refused: a reward model it does not list, say); at
+        ``reward.fail_after`` the run fails with it (an incident says so; the learner sees the run end and
+        stops)."""
         self._unscored.append(time.monotonic())
         limit = self.config.reward.fail_after
         if not limit or len(self._unscored) != limit:

@@ -171,7 +171,8 @@ class RewardConfig(Section):
     """Times a group whose scoring hit an infrastructure failure is retried before it is dropped."""
     fail_after: int = Field(default=8, ge=0)
     """Groups in a row that one rollout server drops because their scoring failed (a python reward function
-    that raised, a judge or sandbox that errored, each after ``retries``) before the run fails, with that
+    that raised, a judge or sandbox that errored, each after ``retries``; a request the reward server
+    refused, such as a reward model it does not list) before the run fails, with that
     error (``tandem run``, ``tandem status``, the dashboard, an incident); a group scored in between starts
     the count again, so sporadic failures are dropped and counted, and never stop the run. 0: never."""
 

@@ -232,8 +232,9 @@ async def test_actor_drops_groups_whose_scoring_hits_infrastructure_errors(
     assert await actor.admission.counts() == {"queued": 1, "in_flight": 0}
 
 
+@pytest.mark.parametrize("failure", ["reward_error", "refused"])
 async def test_a_reward_that_fails_on_every_group_fails_the_run_with_its_error(
-    actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
+    failure, actor_factory, redis, keys, tiny_model, tmp_path, weight_versions, reward_service
 ):
     """``reward.fail_after`` groups in a row whose scoring failed (a python reward function that raises every
     time) fail the run with the function's error and an incident; a group scored in between starts the count
@@ -248,7 +249,11 @@ async def test_a_reward_that_fails_on_every_group_fails_the_run_with_its_error(
     config = _config(tiny_model, tmp_path, eta=4, groups_per_step=4, group_size=2, retries=0, fail_after=3)
     registry = WeightRegistry(redis, keys)
     await _publish(registry, weight_versions, 300, weight_versions.next_version())
-    bad = reward_service.function_failure_spec
+    from services.reward_specs import RewardModelSpec
+
+    bad = reward_service.function_failure_spec if failure == "reward_error" else RewardModelSpec(model="absent")
+    error, reason = ((ALWAYS_FAILS, "infra") if failure == "reward_error" else
+                     ("absent is not a reward model of this reward server", "dead_lettered"))
     # two failures, a scored group, then failures until the run fails: the first two do not count
     order = [*await _enqueue(redis, keys, count=2, n=2, spec=bad), *await _enqueue(redis, keys, count=1, n=2)]
     actor, task = actor_factory(config, concurrency=1)
@@ -266,11 +271,11 @@ async def test_a_reward_that_fails_on_every_group_fails_the_run_with_its_error(
     await asyncio.gather(task, return_exceptions=True)
     assert record.state == "failed"
     assert "the reward failed on 3 groups in a row (reward.fail_after)" in record.error
-    assert "reward_error" in record.error and ALWAYS_FAILS in record.error
+    assert error in record.error, record.error
     [inc] = await IncidentLog(redis, keys).recent()
-    assert inc.field == "reward.fail_after" and inc.limit_s is None and ALWAYS_FAILS in inc.on
+    assert inc.field == "reward.fail_after" and inc.limit_s is None and error in inc.on
     assert wire.dropped_by_reason({k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
-                                  )["infra"] >= 5
+                                  )[reason] >= 5
 
 
 async def test_actor_dead_letters_a_malformed_prompt_and_frees_its_slot(
