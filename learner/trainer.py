@@ -393,9 +393,8 @@ class Trainer:
 
     async def _starved(self, e: Exception, waited_s: float) -> None:
         """Record the starvation that fails the run as a watchdog incident (``tandem status``, dashboard)."""
-        from services.watchdog import IncidentLog, incident
-
         from broker import Stream
+        from services.watchdog import IncidentLog, incident
         from services.wire import dropped_by_reason, dropped_text
 
         try:

@@ -26,8 +26,8 @@ from reward_server.sandbox.base import Job, SandboxError, SandboxUnavailable, py
 from reward_server.settings import RewardSettings
 from reward_server.verifiers.functions import Functions, Runner
 from reward_server.verifiers.judge import Judge
-from reward_server.verifiers.reward_models import ModelRunner, RewardModels
 from reward_server.verifiers.math import MathVerifier
+from reward_server.verifiers.reward_models import ModelRunner, RewardModels
 from reward_server.verifiers.scorer import Scorer, sandbox_jobs
 from services.app import ServiceError, create_app
 from services.wire import (

@@ -103,8 +103,8 @@ from services import wire
 from services.clients import RewardClient, is_retryable
 from services.config import RunConfig
 from services.evaluate import EvalLog, due, score
-from services.timeline import Timeline
 from services.runs import RunStore, TransitionError
+from services.timeline import Timeline
 from services.watchdog import IncidentLog, Stalled, incident
 from services.weightgroup import Invitation
 

@@ -581,7 +581,7 @@ async def test_trls_reward_functions_score_a_runs_groups_as_trl_would(
         out = fn(prompts=[g.prompt] * g.n, completions=[s.text for s in g.samples],
                  completion_ids=[s.token_ids for s in g.samples], trainer_state=state,
                  log_extra=lambda column, values: None,
-                 log_metric=lambda name, value: logged.setdefault(name, []).append(value))
+                 log_metric=lambda name, value, logged=logged: logged.setdefault(name, []).append(value))
         expected = await out if asyncio.iscoroutine(out) else out
         assert [s.reward for s in g.samples] == expected, groups[g.group_id]
         assert any(r not in (0.0, -1.0) for r in expected), expected  # computed from the lengths, not a bound
