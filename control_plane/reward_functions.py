@@ -13,7 +13,8 @@ docker-compose set it) it asks that server's ``POST /v1/check``:
 
 Each check says which keywords the lines give the function besides TRL's own (their fields and ``args``), so
 a function with a required parameter that no call would give is refused too, naming the parameter, at the
-first line that lacks it. A reward server that cannot be reached makes either request a 503 (retry later),
+first line that lacks it. A ``reward_model`` spec's model is checked the same way: a name the reward server
+does not list (``TANDEM_REWARD_MODELS``) is refused at the first line naming it. A reward server that cannot be reached makes either request a 503 (retry later),
 never a silent pass.
 Without ``TANDEM_CONTROL_REWARD_URL`` nothing is checked here: the reward server still refuses such a
 function (a 422 on every ``/v1/score`` naming it), but only once rollouts are scored.
@@ -35,8 +36,9 @@ CHECK_BATCH = 256
 """Functions per ``/v1/check`` call (what ``services.wire.CheckFunctions`` takes)."""
 
 
-Named = dict[tuple[str, tuple[str, ...]], tuple[int, str]]
-"""(function, the keywords its call gives besides TRL's) -> (1-based line, field) of the first line naming it so."""
+Named = dict[tuple[str, tuple[str, ...] | None], tuple[int, str]]
+"""(function, the keywords its call gives besides TRL's) -> (1-based line, field) of the first line naming it so;
+a reward model is ``(its name, None)``."""
 
 
 def _keywords(spec: dict) -> tuple[str, ...]:
@@ -49,29 +51,33 @@ def _keywords(spec: dict) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def spec_functions(spec: object, where: str = "") -> Iterator[tuple[str, str, tuple[str, ...]]]:
-    """``(field path, function, keywords)`` of every python spec in a spec's JSON form (``parts.1.spec.function``)."""
+def spec_functions(spec: object, where: str = "") -> Iterator[tuple[str, str, tuple[str, ...] | None]]:
+    """``(field path, function, keywords)`` of every python spec in a spec's JSON form (``parts.1.spec.function``),
+    and ``(field path, model, None)`` of every reward model spec (``parts.0.spec.model``)."""
     if not isinstance(spec, dict):
         return
     if spec.get("type") == "python" and isinstance(spec.get("function"), str):
         yield f"{where}function", spec["function"], _keywords(spec)
+    elif spec.get("type") == "reward_model" and isinstance(spec.get("model"), str):
+        yield f"{where}model", spec["model"], None
     elif spec.get("type") == "combined" and isinstance(spec.get("parts"), list):
         for i, part in enumerate(spec["parts"]):
             if isinstance(part, dict):
                 yield from spec_functions(part.get("spec"), f"{where}parts.{i}.spec.")
 
 
-def line_functions(stored: dict, default_type: str) -> Iterator[tuple[str, str, tuple[str, ...]]]:
-    """``(field, function, keywords)`` of a stored prompt-set line (``services.prompt_lines.check_line``'s form): a
+def line_functions(stored: dict, default_type: str) -> Iterator[tuple[str, str, tuple[str, ...] | None]]:
+    """``(field, function, keywords)`` (a reward model's: ``(field, model, None)``) of a stored prompt-set line (``services.prompt_lines.check_line``'s form): a
     typed line's spec, or an untyped line's ``function`` field when it is checked as ``python``."""
     if "spec" in stored:
         yield from spec_functions(stored["spec"])
-    elif default_type == "python":
-        yield from spec_functions({"type": "python", **stored.get("fields", {})})
+    elif default_type in ("python", "reward_model"):
+        yield from spec_functions({"type": default_type, **stored.get("fields", {})})
 
 
 class FunctionCheck:
-    """Asks the reward server whether the functions named at given lines may be called."""
+    """Asks the reward server whether the functions named at given lines may be called, and the reward models
+    named scored with."""
 
     def __init__(self, settings: ControlSettings) -> None:
         token = settings.reward_token or settings.token
@@ -87,21 +93,25 @@ class FunctionCheck:
         if self.client is None or not named:
             return []
         by_keywords: dict[tuple[str, ...], list[str]] = {}  # one check per set of keywords the lines give
-        for function, keywords in sorted(named):
+        models = sorted(name for name, keywords in named if keywords is None)
+        for function, keywords in sorted((k for k in named if k[1] is not None), key=str):
             by_keywords.setdefault(keywords, []).append(function)
-        refused: dict[tuple[str, tuple[str, ...]], str] = {}
+        refused: dict[tuple[str, tuple[str, ...] | None], str] = {}
         try:
             for keywords, functions in by_keywords.items():
                 for i in range(0, len(functions), CHECK_BATCH):
                     batch = functions[i:i + CHECK_BATCH]
                     answer = await self.client.check(batch, {f: list(keywords) for f in batch})
                     refused |= {(f, keywords): why for f, why in answer.refused.items()}
+            for i in range(0, len(models), CHECK_BATCH):
+                answer = await self.client.check([], models=models[i:i + CHECK_BATCH])
+                refused |= {(name, None): why for name, why in answer.refused.items()}
         except httpx.HTTPError as e:
-            names = list(dict.fromkeys(f for f, _ in sorted(named)))
+            names = list(dict.fromkeys(f for f, _ in sorted(named, key=str)))
             raise ServiceError(503, f"cannot ask the reward server ({self.url}) whether the python reward functions "
-                                    f"{', '.join(names[:5])} may be called: {e}", retry_after=5) from None
+                                    f"and reward models {', '.join(names[:5])} may be used: {e}", retry_after=5) from None
         first: dict[str, dict] = {}  # a function refused whatever its keywords is named once, at its first line
-        for key, why in sorted(refused.items(), key=lambda kv: named[kv[0]][0]):
+        for key, why in sorted(refused.items(), key=lambda kv: (named[kv[0]][0], str(kv[0]))):
             first.setdefault(f"{key[0]}: {why}", {"line": named[key][0], "field": named[key][1], "msg": why})
         return sorted(first.values(), key=lambda e: e["line"])
 

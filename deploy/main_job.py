@@ -17,7 +17,8 @@
    ``accuracy_before`` / ``accuracy_after`` are the held-out accuracy of
    version 0 and of the final version (mean@n with ``eval.samples = n > 1``,
    whose pass@k are ``pass_at_before`` / ``pass_at_after`` and each entry's
-   ``pass_at`` in ``evals``). ``incidents`` lists every watchdog and stall
+   ``pass_at`` in ``evals``); ``held_out_reward_before`` / ``held_out_reward_after`` are their mean
+   reward (a reward model's held-out score). ``incidents`` lists every watchdog and stall
    incident of the run; ``timeline.jsonl`` beside it holds every service's
    spans (``tandem trace runs/<run_id>``).
 6. Audit the run's ledger (:mod:`deploy.audit`, as ``tandem audit``) and
@@ -53,7 +54,14 @@ from deploy.client import http_error
 from deploy.datasets import FILE_KINDS
 from deploy.progress import console as cli_console
 from deploy.progress import progress_bar
-from deploy.report import cpu_text, eval_text, pass_at, write_plots, write_summary
+from deploy.report import (
+    cpu_text,
+    eval_text,
+    pass_at,
+    reward_not_accuracy,
+    write_plots,
+    write_summary,
+)
 from deploy.settings import StackSettings
 from deploy.stack import Stack
 from services import timeline, wire
@@ -157,17 +165,20 @@ async def _final(stack: Stack, run_id: str) -> tuple[int, wire.EvalPoint | None]
 
 def eval_fields(points: list[wire.MetricPoint], after: wire.EvalPoint | None, samples: int) -> dict:
     """summary.json's held-out fields, from the run's ``"eval"`` metric points (one per version) and the
-    final version's result: accuracy before (version 0) and after, every version's point, and with
-    ``samples`` > 1 (accuracy is then mean@samples) pass@k before and after."""
+    final version's result: accuracy and mean reward before (version 0) and after, every version's point, and
+    with ``samples`` > 1 (accuracy is then mean@samples) pass@k before and after."""
     evals = {p.step: (p.values["accuracy"], pass_at(p.values)) for p in points if p.source == "eval"}
+    rewards = {p.step: p.values.get("held_out_reward") for p in points if p.source == "eval"}
     return {
         "accuracy_before": evals[0][0] if 0 in evals else None,
         "accuracy_after": after.accuracy if after is not None else None,
+        "held_out_reward_before": rewards.get(0),
+        "held_out_reward_after": after.reward_mean if after is not None else None,
         "eval_prompts": after.count if after is not None else None,
         "eval_samples": samples,
         "pass_at_before": (evals[0][1] or None) if 0 in evals else None,
         "pass_at_after": (after.pass_at or None) if after is not None else None,
-        "evals": [{"version": v, "accuracy": acc} | ({"pass_at": passes} if passes else {})
+        "evals": [{"version": v, "accuracy": acc, "held_out_reward": rewards[v]} | ({"pass_at": passes} if passes else {})
                   for v, (acc, passes) in sorted(evals.items())],
     }
 
@@ -267,6 +278,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
             console.print(f"held-out {'mean@n / pass@n' if n > 1 else 'accuracy'} by policy version: " + ", ".join(
                 f"v{e['version']} {e['accuracy']:.1%}" + (f" / {e['pass_at'][n]:.1%}" if n in e.get("pass_at", {})
                                                            else "")
+                + (f" (reward {e['held_out_reward']:.3g})" if reward_not_accuracy(e["held_out_reward"], e["accuracy"]) else "")
                 for e in evals))
         episodes = _run_means(points, EPISODE_MEANS)
         if episodes["episode_turns_mean"] is not None:

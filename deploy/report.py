@@ -24,11 +24,21 @@ def _fmt(x: float | int | None, pct: bool = False) -> str:
 
 def eval_text(point: wire.EvalPoint, every_k: bool = True) -> str:
     """A held-out result as the CLI shows it: ``45.0%`` (one greedy sample per prompt), or with n samples
-    ``mean@8 45.0%, pass@1 45.0%, pass@2 60.0%, ..., pass@8 80.0%`` (``every_k=False``: pass@n only)."""
+    ``mean@8 45.0%, pass@1 45.0%, pass@2 60.0%, ..., pass@8 80.0%`` (``every_k=False``: pass@n only); then
+    ``, reward 0.873`` where the mean reward is not the accuracy (a reward model's, partial credit)."""
     if point.samples <= 1:
-        return f"{point.accuracy:.1%}"
-    ks = sorted(point.pass_at) if every_k else [k for k in point.pass_at if k == point.samples]
-    return ", ".join([f"mean@{point.samples} {point.accuracy:.1%}", *(f"pass@{k} {point.pass_at[k]:.1%}" for k in ks)])
+        text = f"{point.accuracy:.1%}"
+    else:
+        ks = sorted(point.pass_at) if every_k else [k for k in point.pass_at if k == point.samples]
+        text = ", ".join([f"mean@{point.samples} {point.accuracy:.1%}", *(f"pass@{k} {point.pass_at[k]:.1%}" for k in ks)])
+    if reward_not_accuracy(point.reward_mean, point.accuracy):
+        text += f", reward {point.reward_mean:.3g}"
+    return text
+
+
+def reward_not_accuracy(reward: float | None, accuracy: float) -> bool:
+    """Whether a held-out mean reward says more than the accuracy beside it (rewards that are not all 0 or 1)."""
+    return reward is not None and abs(reward - accuracy) > 1e-6
 
 
 def pass_at(values: dict[str, float]) -> dict[int, float]:

@@ -58,8 +58,9 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
 
 @router.post("/v1/check", response_model=FunctionsChecked)
 async def check(body: CheckFunctions, request: Request) -> FunctionsChecked:
-    functions = _scorer(request).functions
-    refused = await functions.check(body.functions, body.keywords)
+    functions, models = _scorer(request).functions, _scorer(request).models
+    refused = await functions.check(body.functions, body.keywords) if body.functions else {}
+    refused |= {name: why for name in body.models if (why := models.refusal(name)) is not None}
     known = functions.signatures()
     return FunctionsChecked(allowed={f: known[f] for f in body.functions if f not in refused}, refused=refused)
 

@@ -141,10 +141,12 @@ class RewardClient(ServiceClient):
         resp = await self.request("POST", "/v1/execute", request)
         return wire.ExecuteResult.model_validate(resp.json())
 
-    async def check(self, functions: list[str], keywords: dict[str, list[str]] | None = None) -> wire.FunctionsChecked:
+    async def check(self, functions: list[str], keywords: dict[str, list[str]] | None = None,
+                    models: list[str] | None = None) -> wire.FunctionsChecked:
         """Which of these python reward functions the reward server may call (``POST /v1/check``), their calls
-        giving ``keywords[function]`` besides TRL's own."""
-        resp = await self.request("POST", "/v1/check", wire.CheckFunctions(functions=functions, keywords=keywords or {}))
+        giving ``keywords[function]`` besides TRL's own, and which of these reward models it lists."""
+        resp = await self.request("POST", "/v1/check", wire.CheckFunctions(functions=functions, keywords=keywords or {},
+                                                                            models=models or []))
         return wire.FunctionsChecked.model_validate(resp.json())
 
 

@@ -38,7 +38,7 @@ class ModelConfig(Section):
     """Parameter dtype in the rollout engine."""
     max_model_len: int = Field(default=512, ge=16)
     """Longest prompt + completion, in tokens."""
-    bootstrap: Literal["arith", "tool_arith"] | None = None
+    bootstrap: Literal["arith", "tool_arith", "judge_arith"] | None = None
     """If set and ``path`` holds no model yet, ``tandem run`` builds this example model there first
     (``examples/<name>/bootstrap.py``, from ``data.train``)."""
 

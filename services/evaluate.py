@@ -69,6 +69,7 @@ class EvalResult:
     accuracy: float
     """Fraction of completions that are correct (mean@n; with one greedy sample, of prompts)."""
     mean_reward: float
+    """Mean reward of the completions scored (a reward model's held-out score; accuracy counts rewards of 1)."""
     count: int
     """Prompts evaluated."""
     versions: frozenset[int]
@@ -169,11 +170,12 @@ class EvalLog:
 
     async def record(self, version: int, result: EvalResult, who: str) -> bool:
         """Store ``result`` as ``version``'s and append its ``"eval"`` metric point, atomically and only if
-        no result of ``version`` was recorded before; True if this call recorded it. With several samples
-        per prompt the point also holds ``samples``, ``pass_at_<k>`` and ``pass_at_n`` (k = samples)."""
+        no result of ``version`` was recorded before; True if this call recorded it. The point holds
+        ``accuracy``, ``count``, ``held_out_reward`` (the completions' mean reward) and, with several samples per
+        prompt, ``samples``, ``pass_at_<k>`` and ``pass_at_n`` (k = samples)."""
         point = wire.EvalPoint(version=version, accuracy=result.accuracy, count=result.count, by=who,
-                               samples=result.samples, pass_at=result.pass_at)
-        more = {f"pass_at_{k}": v for k, v in result.pass_at.items()}
+                               samples=result.samples, pass_at=result.pass_at, reward_mean=result.mean_reward)
+        more = {f"pass_at_{k}": v for k, v in result.pass_at.items()} | {"held_out_reward": result.mean_reward}
         if result.samples > 1:  # pass_at_n: one name for the charts, whatever n is
             more |= {"samples": result.samples, "pass_at_n": result.pass_at[result.samples]}
         entry = await MetricsLog(self.redis, self.keys).append_once(

@@ -63,6 +63,8 @@ log = logging.getLogger("tandem.runs")
 METRICS: dict[str, str] = {
     "reward_mean": "mean reward of the samples trained at this step",
     "accuracy": "held-out accuracy, 0..1 (greedy unless eval.temperature > 0; mean@n with eval.samples = n > 1)",
+    "held_out_reward": "mean reward of the held-out completions (the held-out score of a reward model, whose "
+                       "rewards are not 0 or 1)",
     "pass_at_n": "held-out pass@n, n = eval.samples (only when n > 1; pass_at_<k> for the smaller k too)",
     "loss": "the GRPO loss of the step",
     "kl": "KL to the reference policy (k1/k3 estimate)",
@@ -79,7 +81,7 @@ METRICS: dict[str, str] = {
 """The metric names the dashboard and the run report chart; others are kept and returned too."""
 
 CHARTS: dict[str, tuple[str, list[str]]] = {
-    "reward": ("Reward and held-out accuracy", ["reward_mean", "accuracy", "pass_at_n"]),
+    "reward": ("Reward and held-out accuracy", ["reward_mean", "accuracy", "pass_at_n", "held_out_reward"]),
     "staleness": ("Staleness (policy-version lag)", ["lag_max", "lag_mean", "stale_dropped"]),
     "throughput": ("Throughput (tokens/s)", ["rollout_tokens_per_s", "learner_tokens_per_s"]),
     "idle": ("Idle fraction", ["rollout_idle_frac", "learner_idle_frac"]),

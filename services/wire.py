@@ -44,7 +44,7 @@ from pydantic import (
     model_validator,
 )
 
-from services.reward_specs import FUNCTION_NAME, Limits, RewardSpec
+from services.reward_specs import FUNCTION_NAME, MODEL_NAME, Limits, RewardSpec
 from services.run_states import RunState
 
 if TYPE_CHECKING:  # the payload types import nothing of the broker at run time
@@ -203,20 +203,30 @@ class ScoreResponse(Wire):
 
 
 class CheckFunctions(Wire):
-    """``POST /v1/check``: may the reward server call these python reward functions? The control plane
-    asks before it stores a prompt set or creates a run that names them."""
+    """``POST /v1/check``: may the reward server call these python reward functions, and score with these
+    reward models? The control plane asks before it stores a prompt set or creates a run that names them."""
 
-    functions: list[Annotated[str, Field(max_length=200, pattern=FUNCTION_NAME)]] = Field(min_length=1, max_length=256)
+    functions: list[Annotated[str, Field(max_length=200, pattern=FUNCTION_NAME)]] = Field(
+        default_factory=list, max_length=256)
     keywords: dict[str, list[Annotated[str, Field(max_length=64)]]] = Field(
         default_factory=dict, max_length=256,
         description="function -> the keywords its calls give besides TRL's own (the line's fields and args); a "
                     "function not named here gets TRL's alone. One with a required parameter that no call gives "
                     "is refused, naming it.")
+    models: list[Annotated[str, Field(pattern=MODEL_NAME)]] = Field(
+        default_factory=list, max_length=256, description="Reward models by name (``reward_model`` specs).")
+
+    @model_validator(mode="after")
+    def _something(self) -> CheckFunctions:
+        if not self.functions and not self.models:
+            raise ValueError("functions, models: name at least one function or model to check")
+        return self
 
 
 class FunctionsChecked(Wire):
-    """``allowed``: function -> its signature; ``refused``: function -> why the reward server will not
-    call it (not on its allow-list, not importable, not a function), each named once."""
+    """``allowed``: function -> its signature; ``refused``: function or reward model -> why the reward server
+    will not call it (not on its allow-list, not importable, not a function; a model it does not list), each
+    named once."""
 
     allowed: dict[str, str]
     refused: dict[str, str]
@@ -691,6 +701,10 @@ class EvalPoint(Wire):
     count: int = Field(ge=0)
     samples: int = Field(default=1, ge=1)
     pass_at: dict[int, Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=dict)
+    reward_mean: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="Mean reward of the held-out completions scored: the held-out score of a reward that is not "
+                    "0 or 1 (a reward model, partial credit), where accuracy counts the completions rewarded 1.")
     by: str = Field(default="", max_length=200, description="Who evaluated it: a rollout server's id, or 'tandem-run'.")
 
 

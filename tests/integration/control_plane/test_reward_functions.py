@@ -26,14 +26,14 @@ def rewards_module(tmp_path, monkeypatch) -> str:
 
 
 @contextlib.asynccontextmanager
-async def reward_server(functions: list[str]):
+async def reward_server(functions: list[str], models: dict[str, str] | None = None):
     """A real reward server (its own lifespan, its own process pool) on a free port."""
     from host.processes import free_port
     from reward_server import build_app
     from reward_server.settings import RewardSettings
 
     port = free_port()
-    app = build_app(RewardSettings(token=REWARD_TOKEN, sandbox="none", functions=functions))
+    app = build_app(RewardSettings(token=REWARD_TOKEN, sandbox="none", functions=functions, models=models or {}))
     async with uvicorn_server(app, port):
         yield f"http://127.0.0.1:{port}"
 
@@ -113,6 +113,35 @@ async def test_a_run_is_refused_before_anything_is_enqueued(
         resp = await control.client.post("/v1/runs", headers=control.auth(), json={
             "prompt_set_id": train, "config": run_config()})
         assert resp.status_code == 201, resp.text
+
+
+async def test_a_reward_model_the_reward_server_does_not_list_is_refused_at_the_door(
+        rewards_module, control_db_url, control_redis, tmp_path, snapshot):
+    """A ``reward_model`` spec names a model the reward server's operator lists (``TANDEM_REWARD_MODELS``):
+    an unlisted name is refused at upload, naming its line and field, in a combined spec too, and a line
+    that takes ``reward.type = "reward_model"`` is checked as such. The folder is never read by a check."""
+    m = rewards_module
+    async with reward_server([f"{m}:*"], {"even": str(tmp_path / "not-read")}) as url, control_plane(
+            control_db_url, control_redis, tmp_path, reward_url=url, reward_token=REWARD_TOKEN) as control:
+        judged = {"prompt": "1+1=", "type": "reward_model", "model": "even"}
+        assert (await control.upload([judged, line(1, f"{m}:match")])).status_code == 201
+        before = await snapshot(control_redis)
+        nested = {"prompt": "2+1=", "type": "combined", "parts": [
+            {"weight": 1.0, "spec": {"type": "exact", "answer": "3"}},
+            {"weight": 0.5, "spec": {"type": "reward_model", "model": "helpful"}}]}
+        resp = await control.upload([judged, {**judged, "model": "odd"}, nested])
+        assert resp.status_code == 422, resp.text
+        assert resp.json()["errors"] == [
+            {"line": 2, "field": "model", "msg": "odd is not a reward model of this reward server's "
+                                                 "TANDEM_REWARD_MODELS (listed: even)"},
+            {"line": 3, "field": "parts.1.spec.model", "msg": "helpful is not a reward model of this reward "
+                                                              "server's TANDEM_REWARD_MODELS (listed: even)"}]
+        untyped = await control.client.post("/v1/prompt-sets", headers={**control.auth(), "Content-Type": "application/x-ndjson"},
+                                            params={"default_type": "reward_model"},
+                                            content=b'{"prompt": "1+1=", "model": "odd"}\n')
+        assert untyped.status_code == 422 and "line 1: model: odd is not a reward model" in untyped.json()["detail"], \
+            untyped.text
+        assert await snapshot(control_redis) == before  # nothing stored
 
 
 async def test_an_unreachable_reward_server_is_a_503_not_a_pass(rewards_module, control_db_url, control_redis, tmp_path):

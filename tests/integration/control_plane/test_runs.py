@@ -209,10 +209,12 @@ async def test_each_version_is_recorded_once_and_status_shows_the_newest(control
     assert await evals.record(0, result(0.25), "a")
     s = (await control.client.get(f"/v1/runs/{run_id}", headers=control.auth())).json()
     first = "a" if recorded[0] else "b"
-    assert s["eval"] == {"version": 10, "accuracy": {"a": 0.5, "b": 0.9}[first], "count": 200, "by": first,
-                         "samples": 1, "pass_at": {}}
+    acc = {"a": 0.5, "b": 0.9}[first]
+    assert s["eval"] == {"version": 10, "accuracy": acc, "count": 200, "by": first, "samples": 1, "pass_at": {},
+                         "reward_mean": acc}
     points = [p for p in await MetricsLog(control.redis, Keys(run_id)).read() if p.source == "eval"]
-    assert sorted((p.step, p.values["count"]) for p in points) == [(0, 200.0), (10, 200.0)]
+    assert sorted((p.step, p.values["count"], p.values["held_out_reward"]) for p in points) == [(0, 200.0, 0.25),
+                                                                                              (10, 200.0, acc)]
 
 
 async def test_unknown_runs_are_404(control):

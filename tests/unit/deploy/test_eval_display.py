@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from deploy.main_job import _progress_note
-from deploy.report import status_table
+from deploy.report import eval_text, status_table
 from services import wire
 from services.config import EvalConfig
 from services.evaluate import due
@@ -62,19 +62,28 @@ def test_summary_fields_of_one_and_of_several_samples():
     def point(version: int, **values: float) -> wire.MetricPoint:
         return wire.MetricPoint(id=f"{version}-0", t=0.0, source="eval", step=version, values=values)
 
-    greedy = [point(0, accuracy=0.3, count=10), point(5, accuracy=0.7, count=10)]
-    after = wire.EvalPoint(version=5, accuracy=0.7, count=10)
+    greedy = [point(0, accuracy=0.3, count=10, held_out_reward=0.3), point(5, accuracy=0.7, count=10, held_out_reward=0.7)]
+    after = wire.EvalPoint(version=5, accuracy=0.7, count=10, reward_mean=0.7)
     assert eval_fields(greedy, after, 1) == {
-        "accuracy_before": 0.3, "accuracy_after": 0.7, "eval_prompts": 10, "eval_samples": 1,
-        "pass_at_before": None, "pass_at_after": None,
-        "evals": [{"version": 0, "accuracy": 0.3}, {"version": 5, "accuracy": 0.7}]}
+        "accuracy_before": 0.3, "accuracy_after": 0.7, "held_out_reward_before": 0.3, "held_out_reward_after": 0.7,
+        "eval_prompts": 10, "eval_samples": 1, "pass_at_before": None, "pass_at_after": None,
+        "evals": [{"version": 0, "accuracy": 0.3, "held_out_reward": 0.3},
+                  {"version": 5, "accuracy": 0.7, "held_out_reward": 0.7}]}
+    # a reward model's held-out score: rewards that are not 0 or 1, so no completion counts as correct
+    judged = [point(0, accuracy=0.0, count=10, held_out_reward=0.48), point(5, accuracy=0.0, count=10, held_out_reward=0.93)]
+    after = wire.EvalPoint(version=5, accuracy=0.0, count=10, reward_mean=0.93)
+    fields = eval_fields(judged, after, 1)
+    assert (fields["held_out_reward_before"], fields["held_out_reward_after"]) == (0.48, 0.93)
+    assert eval_text(after) == "0.0%, reward 0.93" and eval_text(wire.EvalPoint(version=5, accuracy=0.7, count=10,
+                                                                                reward_mean=0.7)) == "70.0%"
     sampled = [point(0, accuracy=0.3, count=10, samples=4, pass_at_1=0.3, pass_at_2=0.45, pass_at_4=0.6, pass_at_n=0.6),
                point(5, accuracy=0.7, count=10, samples=4, pass_at_1=0.7, pass_at_2=0.8, pass_at_4=0.9, pass_at_n=0.9)]
     after = wire.EvalPoint(version=5, accuracy=0.7, count=10, samples=4, pass_at={1: 0.7, 2: 0.8, 4: 0.9})
     fields = eval_fields(sampled, after, 4)
     assert (fields["accuracy_before"], fields["accuracy_after"], fields["eval_samples"]) == (0.3, 0.7, 4)
     assert fields["pass_at_before"] == {1: 0.3, 2: 0.45, 4: 0.6} and fields["pass_at_after"] == {1: 0.7, 2: 0.8, 4: 0.9}
-    assert fields["evals"][1] == {"version": 5, "accuracy": 0.7, "pass_at": {1: 0.7, 2: 0.8, 4: 0.9}}
+    assert fields["evals"][1] == {"version": 5, "accuracy": 0.7, "held_out_reward": None,
+                                  "pass_at": {1: 0.7, 2: 0.8, 4: 0.9}}
 
 
 def test_dropped_counts_every_dropped_group_by_reason():
