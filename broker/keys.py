@@ -125,6 +125,11 @@ class Keys:
         return self._k("metrics")
 
     @property
+    def completions(self) -> str:
+        """Stream of the completions table (``services.runs.CompletionsLog``: a few trained samples per step)."""
+        return self._k("completions")
+
+    @property
     def metrics_summary(self) -> str:
         """Hash ``last:NAME`` / ``first:NAME`` / ``max:NAME`` -> value over the metrics stream."""
         return self._k("metrics:summary")

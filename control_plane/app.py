@@ -58,10 +58,18 @@ from services.evaluate import EvalLog, eval_prompts
 from services.prompt_forms import chat_template_in
 from services.prompt_lines import LineError
 from services.reward_specs import REWARD_TYPES, RewardSpec
-from services.runs import MetricsLog, RunConflict, RunStore, TransitionError, UnknownRun
+from services.runs import (
+    CompletionsLog,
+    MetricsLog,
+    RunConflict,
+    RunStore,
+    TransitionError,
+    UnknownRun,
+)
 from services.security import principal_of
 from services.watchdog import IncidentLog
 from services.wire import (
+    CompletionsPage,
     CpuAccount,
     CreateRun,
     EvalPrompt,
@@ -324,6 +332,26 @@ async def run_metrics(
     except ValueError as e:
         raise ServiceError(422, f"since: {e}") from None
     return MetricsPage(run_id=run_id, points=points, next=points[-1].id if points else since)
+
+
+@router.get("/runs/{run_id}/completions", response_model=CompletionsPage, summary="A run's completions table")
+async def run_completions(
+    run_id: str,
+    request: Request,
+    since: Annotated[str | None, Query(description="Only rows after this id (a previous page's `next`).")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 1000,
+    newest: Annotated[bool, Query(description="The newest `limit` rows instead (`since` ignored).")] = False,
+) -> CompletionsPage:
+    """Trained samples, ``logging.completions`` per learner step, with what reward functions logged for them
+    (``log_extra``), oldest first."""
+    state = _state(request)
+    await state.runs.get(run_id)
+    log_ = CompletionsLog(state.redis, Keys(run_id))
+    try:
+        rows = await (log_.newest(limit) if newest else log_.read(since, limit))
+    except ValueError as e:
+        raise ServiceError(422, f"since: {e}") from None
+    return CompletionsPage(run_id=run_id, rows=rows, next=rows[-1].id if rows else since)
 
 
 @router.post("/runs/{run_id}/stop", response_model=RunRecord, summary="Stop a queued or running run")

@@ -19,7 +19,10 @@ headless-browser test reads them). Below the charts, every fifth poll, the
 page reads ``/v1/runs/{id}/breakdown`` (the last steps' seconds by activity,
 ``services.timeline.breakdown``) and stacks them per step, busy below and
 idle above, for the learner and the rollout servers; its figure carries
-``data-breakdown`` (the seconds per activity over the steps shown).
+``data-breakdown`` (the seconds per activity over the steps shown). On the same polls it reads
+``/v1/runs/{id}/completions?newest=true&limit=20`` and lists the newest trained samples (step, prompt,
+completion, reward, advantage, then each column reward functions logged), as text only, in ``<table
+id="completions">``, which carries ``data-rows`` (the rows shown).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Experiment trackers: a run's config and metrics in TensorBoard, Weights & Biases and MLflow.
+"""Experiment trackers: a run's config, metrics and completions table in TensorBoard, Weights & Biases and MLflow.
 
 Where this runs, and why there: in the control plane, one follower per control plane
 (:class:`TrackerHub`, started by its lifespan). Every run, whether ``tandem run`` started it
@@ -26,6 +26,11 @@ A run's trackers:
   idle fraction; step = the version it serves). Metrics added to the stream later (reward
   components) are logged too, under their own names. In W&B each group has its own step
   metric (``train/step``, ``eval/step``, ...), since the groups' steps do not rise together;
+- log the run's completions table (``services.runs.CompletionsLog``, ``logging.completions`` rows per
+  learner step; TRL's ``log_completions``), followed from a cursor of its own, with columns step, prompt,
+  completion, reward, advantage and each column reward functions logged: per learner step a markdown table
+  as TensorBoard text (tag ``completions``) and a ``wandb.Table`` under ``completions`` (against
+  ``train/step``), and MLflow's ``log_table`` appending to the run's ``completions.json`` artifact;
 - are closed when the run has ended and no point came for ``logging.close_after_s`` (the main
   job's final evaluation comes after the learner finishes), when another run becomes active, or
   when the control plane stops (W&B's run finishes with exit code 1 if the run failed; MLflow's
@@ -36,9 +41,10 @@ A tracker whose call raises mid-run is reported (a log line and an incident of t
 trackers and training go on. The hub follows the newest run: the active one, or the last run
 if none is active. A control plane restarted mid-run (or after the run ended, before its trackers
 were closed) opens that run's trackers again (W&B resumes the run of the same id, MLflow the run
-tagged with the run id, TensorBoard adds an event file) and goes on from the cursor in
-``<dir>/<run_id>.cursor`` (a point logged just before a crash may be logged twice); trackers
-closed after their run ended leave ``<dir>/<run_id>.closed`` and are not opened again.
+tagged with the run id, TensorBoard adds an event file) and goes on from the cursors in
+``<dir>/<run_id>.cursor`` and ``<dir>/<run_id>.completions.cursor`` (a point or row logged just before
+a crash may be logged twice); trackers closed after their run ended leave ``<dir>/<run_id>.closed``
+and are not opened again.
 
 What a run's config may choose is bounded by the operator: ``logging.dir`` stays under the control
 plane's run directory, and ``logging.mlflow_tracking_uri`` must be one of
@@ -62,6 +68,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import get_args
 
@@ -70,9 +77,9 @@ from broker.streams import raise_if_cancelled
 from services.app import ServiceError
 from services.config import LoggingConfig, RunConfig, parse_run_config
 from services.run_states import TERMINAL_STATES
-from services.runs import MetricsLog, RunStore
+from services.runs import CompletionsLog, MetricsLog, RunStore
 from services.watchdog import IncidentLog, incident
-from services.wire import MetricPoint
+from services.wire import CompletionRow, MetricPoint
 
 log = logging.getLogger("tandem.trackers")
 
@@ -83,7 +90,9 @@ SOURCE = "control:trackers"
 STOP_WAIT_S = 10.0
 """How long a stopping control plane lets a poll in progress (a tracker opening) finish."""
 READ_BATCH = 1000
-"""Metric points read from the stream (and handed to the trackers) at a time."""
+"""Metric points (or completions rows) read from the stream (and handed to the trackers) at a time."""
+COMPLETION_COLUMNS = ("step", "prompt", "completion", "reward", "advantage")
+"""The completions table's own columns; those reward functions logged follow."""
 _KEY = re.compile(r"[^A-Za-z0-9_.-]")
 _MLFLOW_PARAMS = 100  # per log_batch call (MLflow's limit)
 _MLFLOW_METRICS = 1000
@@ -151,6 +160,29 @@ def check_mlflow_uri(config: RunConfig, allowed: list[str]) -> None:
                            f"({offered}); leave it unset for the SQLite store under logging.dir")
 
 
+def completions_table(rows: list[CompletionRow]) -> tuple[list[str], list[list]]:
+    """Columns and cells of completions rows: :data:`COMPLETION_COLUMNS`, then each column reward functions
+    logged (the union over the rows, sorted; None where a row has none; one named like an own column is
+    ``logged.<name>``)."""
+    logged = sorted({c for r in rows for c in r.logged})
+    columns = [*COMPLETION_COLUMNS, *(f"logged.{c}" if c in COMPLETION_COLUMNS else c for c in logged)]
+    cells = [[r.step, r.prompt, r.completion, r.reward, r.advantage, *(r.logged.get(c) for c in logged)]
+             for r in rows]
+    return columns, cells
+
+
+def markdown_table(rows: list[CompletionRow]) -> str:
+    """The rows as a markdown table, ``|`` escaped and newlines as ``<br>`` in cells (TensorBoard's text
+    plugin renders markdown)."""
+    def cell(v) -> str:
+        text = f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "<br>").replace("\n", "<br>")
+
+    columns, cells = completions_table(rows)
+    lines = [columns, ["---"] * len(columns), *cells]
+    return "\n".join("| " + " | ".join(cell(v) for v in line) + " |" for line in lines)
+
+
 # -- the trackers ---------------------------------------------------------------------------------
 
 
@@ -160,6 +192,9 @@ class Tracker:
     name = ""
 
     def log(self, points: list[MetricPoint]) -> None:
+        raise NotImplementedError
+
+    def log_completions(self, rows: list[CompletionRow]) -> None:
         raise NotImplementedError
 
     def close(self, state: str) -> None:
@@ -212,6 +247,16 @@ class TensorBoard(Tracker):
             self.writer.add_event(self._event(wall_time=p.t, step=p.step, summary=self._summary(value=values)))
         self.writer.flush()
 
+    def log_completions(self, rows: list[CompletionRow]) -> None:
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        for step, group in groupby(rows, key=lambda r: r.step):  # the learner appends them step by step
+            at_step = list(group)
+            wall_time = int(at_step[0].id.split("-")[0]) / 1000  # the stream id's milliseconds
+            summary = text_pb("completions", markdown_table(at_step))
+            self.writer.add_event(self._event(wall_time=wall_time, step=step, summary=summary))
+        self.writer.flush()
+
     def close(self, state: str) -> None:
         self.writer.close()
 
@@ -233,14 +278,28 @@ class WandB(Tracker):
         )
         self.groups: set[str] = set()
 
+    def _define(self, group: str) -> None:
+        if group not in self.groups:  # each group against its own step: they do not rise together
+            self.run.define_metric(f"{group}/step")
+            self.run.define_metric(f"{group}/*", step_metric=f"{group}/step")
+            if group == "train":  # the learner's completions table, as TRL names it
+                self.run.define_metric("completions", step_metric="train/step")
+            self.groups.add(group)
+
     def log(self, points: list[MetricPoint]) -> None:
         for p in points:
             group = group_of(p.source)
-            if group not in self.groups:  # each group against its own step: they do not rise together
-                self.run.define_metric(f"{group}/step")
-                self.run.define_metric(f"{group}/*", step_metric=f"{group}/step")
-                self.groups.add(group)
+            self._define(group)
             self.run.log({f"{group}/step": p.step, **{f"{group}/{k}": v for k, v in p.values.items()}})
+
+    def log_completions(self, rows: list[CompletionRow]) -> None:
+        import wandb
+
+        self._define("train")
+        for step, at_step in groupby(rows, key=lambda r: r.step):
+            columns, cells = completions_table(list(at_step))  # a logged column may hold numbers and text
+            self.run.log({"train/step": step,
+                          "completions": wandb.Table(columns=columns, data=cells, allow_mixed_types=True)})
 
     def close(self, state: str) -> None:
         self.run.finish(exit_code=1 if state == "failed" else 0)
@@ -280,6 +339,11 @@ class MLflow(Tracker):
                    for p in points for k, v in p.values.items()]
         for i in range(0, len(metrics), _MLFLOW_METRICS):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_METRICS])
+
+    def log_completions(self, rows: list[CompletionRow]) -> None:
+        columns, cells = completions_table(rows)  # MLflow appends them to the artifact's rows
+        self.client.log_table(self.run_id, data={c: [row[i] for row in cells] for i, c in enumerate(columns)},
+                              artifact_file="completions.json")
 
     def close(self, state: str) -> None:
         if state in self.STATUS:  # a run still going stays RUNNING (the control plane restarts)
@@ -325,22 +389,38 @@ def _close_quietly(tracker: Tracker, state: str) -> str | None:
 
 @dataclass
 class Following:
-    """One run's open trackers and how far its metrics stream has been logged."""
+    """One run's open trackers and how far its metrics stream and its completions stream have been logged."""
 
     run_id: str
     config: RunConfig
     root: Path
     trackers: list[Tracker]
     cursor: str | None = None
+    completions_cursor: str | None = None
     last_point: float = field(default_factory=time.monotonic)
 
     @property
     def cursor_file(self) -> Path:
         return self.root / f"{self.run_id}.cursor"
 
+    @property
+    def completions_cursor_file(self) -> Path:
+        return self.root / f"{self.run_id}.completions.cursor"
+
+    def load_cursors(self) -> None:
+        """The cursors a control plane that followed this run before left (None: from the start)."""
+        files = (self.cursor_file, self.completions_cursor_file)
+        self.cursor, self.completions_cursor = (f.read_text().strip() or None if f.exists() else None for f in files)
+
+    def save_cursors(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for f, cursor in ((self.cursor_file, self.cursor), (self.completions_cursor_file, self.completions_cursor)):
+            if cursor is not None:
+                f.write_text(cursor + "\n")
+
 
 class TrackerHub:
-    """The control plane's follower of the active run's metrics into its trackers (module docstring)."""
+    """The control plane's follower of the active run's metrics and completions into its trackers (module docstring)."""
 
     def __init__(self, redis, run_dir: Path, *, mlflow_uris: list[str] = (), poll_s: float = 1.0) -> None:
         self.redis = redis
@@ -458,31 +538,44 @@ class TrackerHub:
             await self._report(run_id, "all trackers", str(e), "the run goes on without its trackers")
             return None
         following = Following(run_id, config, root, trackers)
-        if following.cursor_file.exists():
-            following.cursor = following.cursor_file.read_text().strip() or None
+        following.load_cursors()
         log.info("trackers of run %s reopened (%s), from metric point %s", run_id,
                  ", ".join(t.name for t in trackers), following.cursor or "the start")
         return following
 
     async def _pump(self, following: Following) -> None:
-        """Log every point after the cursor, in order, to each tracker; move the cursor."""
-        metrics = MetricsLog(self.redis, Keys(following.run_id))
+        """Log every point after the cursor, then every completions row after its cursor, in order, to each
+        tracker; move the cursors."""
+        keys = Keys(following.run_id)
+        metrics, completions = MetricsLog(self.redis, keys), CompletionsLog(self.redis, keys)
         while following.trackers:
             points = await metrics.read(following.cursor, READ_BATCH)  # values are finite (MetricsLog checks)
             if not points:
-                return
-            for tracker in list(following.trackers):
-                try:
-                    await asyncio.to_thread(tracker.log, points)
-                except Exception as e:  # reported and dropped; training and the other trackers go on
-                    following.trackers.remove(tracker)
-                    await self._report(following.run_id, tracker.name, f"{type(e).__name__}: {e}",
-                                       "this tracker is dropped for the rest of the run; training goes on")
-                    await asyncio.to_thread(_close_quietly, tracker, "failed")
+                break
+            await self._hand(following, "log", points)
             following.cursor = points[-1].id
             following.last_point = time.monotonic()
-            following.root.mkdir(parents=True, exist_ok=True)
-            following.cursor_file.write_text(following.cursor + "\n")
+            following.save_cursors()
+        while following.trackers:
+            rows = await completions.read(following.completions_cursor, READ_BATCH)
+            if not rows:
+                return
+            await self._hand(following, "log_completions", rows)
+            following.completions_cursor = rows[-1].id
+            following.last_point = time.monotonic()
+            following.save_cursors()
+
+    async def _hand(self, following: Following, method: str, batch: list) -> None:
+        """Call each tracker's ``method`` (``log``, ``log_completions``) with ``batch``; a tracker whose call
+        raises is reported and dropped."""
+        for tracker in list(following.trackers):
+            try:
+                await asyncio.to_thread(getattr(tracker, method), batch)
+            except Exception as e:  # reported and dropped; training and the other trackers go on
+                following.trackers.remove(tracker)
+                await self._report(following.run_id, tracker.name, f"{type(e).__name__}: {e}",
+                                   "this tracker is dropped for the rest of the run; training goes on")
+                await asyncio.to_thread(_close_quietly, tracker, "failed")
 
     async def _close_current(self, state: str = "running") -> None:
         following, self.current = self.current, None

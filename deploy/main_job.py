@@ -20,7 +20,8 @@
    ``pass_at`` in ``evals``); ``held_out_reward_before`` / ``held_out_reward_after`` are their mean
    reward (a reward model's held-out score). ``incidents`` lists every watchdog and stall
    incident of the run; ``timeline.jsonl`` beside it holds every service's
-   spans (``tandem trace runs/<run_id>``).
+   spans (``tandem trace runs/<run_id>``), ``completions.jsonl`` the run's completions table
+   (``logging.completions``: trained samples with what reward functions logged for them).
 6. Audit the run's ledger (:mod:`deploy.audit`, as ``tandem audit``) and
    put the verdict in ``summary.json`` as ``audit``.
 
@@ -71,6 +72,9 @@ from services.evaluate import EvalLog, load_eval_set
 from services.prompt_forms import chat_template_in, prompt_forms
 from services.prompt_lines import MAX_ERRORS, LineError, LineParser, format_error, line_specs
 from services.run_states import TERMINAL_STATES
+
+COMPLETIONS_FILE = "completions.jsonl"
+"""The run's completions table (``logging.completions`` rows per step, ``log_extra`` columns), in the run's folder."""
 
 
 class JobError(RuntimeError):
@@ -267,6 +271,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         status = asyncio.run(_status(stack, run_id))
         spans, incidents = asyncio.run(_timeline(stack, run_id))
         points = asyncio.run(_metrics(stack, run_id))
+        completions = asyncio.run(_completions(stack, run_id))
         evals = eval_fields(points, after, config.eval.samples)["evals"]
         if config.eval.before and not any(e["version"] == 0 for e in evals):
             raise JobError("no held-out evaluation of version 0 was recorded (see the rollout server's log)")
@@ -309,6 +314,7 @@ def run_job(config_path: Path, config: RunConfig, settings: StackSettings, runs_
         raise JobError(f"run {run_id} ended {status.run.state}: {status.run.error} (see {run_dir / 'summary.json'} "
                        f"and the services' logs in {run_dir / 'logs'})")
     write_plots(points, run_dir / "report")
+    (run_dir / COMPLETIONS_FILE).write_text("".join(row.model_dump_json(exclude={"id"}) + "\n" for row in completions))
     timeline.write_file(run_dir / timeline.TIMELINE_FILE, spans)  # tandem trace reads it
     st = status.staleness
     summary = {
@@ -378,3 +384,8 @@ async def _status(stack: Stack, run_id: str) -> wire.RunStatus:
 async def _metrics(stack: Stack, run_id: str) -> list[wire.MetricPoint]:
     async with ControlClient(stack.url("control"), stack.token) as control:
         return await control.metrics(run_id)
+
+
+async def _completions(stack: Stack, run_id: str) -> list[wire.CompletionRow]:
+    async with ControlClient(stack.url("control"), stack.token) as control:
+        return await control.completions(run_id)

@@ -86,6 +86,7 @@ from typing import TYPE_CHECKING
 from broker.admission import lag
 from broker.ledger import LEDGER_FILE
 from host.files import write_atomic
+from learner.advantages import group_advantages
 from learner.checkpoints import Checkpoints
 from learner.feeder import DataTimeout
 from learner.publisher import Publisher, publish_tensors
@@ -94,6 +95,7 @@ from learner.retention import RUN_CONFIG_FILE
 from learner.settings import LearnerSettings
 from learner.status import Status
 from services.config import RunConfig
+from services.runs import CompletionsLog
 from services.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -141,6 +143,19 @@ def reward_metric_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
         for name, value in g.reward_metrics.items():
             values.setdefault("fn_" + re.sub(r"[^a-z0-9_]", "_", name.lower())[:60], []).append(value)
     return {name: sum(v) / len(v) for name, v in sorted(values.items())}
+
+
+def completion_rows(groups: list[TrajectoryGroup], step: int, n: int, advantage: str) -> list[dict]:
+    """The step's ``n`` rows of the completions table (``logging.completions``): the first sample of each group
+    in turn, then the second, ... (as many prompts as there are rows), each with its advantage in its group."""
+    if n == 0:
+        return []
+    advantages = [group_advantages([smp.reward for smp in g.samples], advantage) for g in groups]
+    order = sorted(((i, k) for k, g in enumerate(groups) for i in range(len(g.samples))))[:n]
+    return [{"step": step, "version": groups[k].samples[i].policy_version, "group_id": groups[k].group_id,
+             "prompt": groups[k].prompt, "completion": groups[k].samples[i].text, "reward": groups[k].samples[i].reward,
+             "advantage": advantages[k][i], "logged": groups[k].samples[i].logged}
+            for i, k in order]
 
 
 def episode_means(groups: list[TrajectoryGroup]) -> dict[str, float]:
@@ -471,6 +486,8 @@ class Trainer:
             "learner_idle_frac": st.idle_fraction,
         } | component_means(groups) | reward_metric_means(groups) | episode_means(groups)
         await self._write_state(point)
+        await CompletionsLog(self.redis, self.keys).append(
+            completion_rows(groups, self.step, self.cfg.logging.completions, self.cfg.loss.advantage))
         if self.metrics is not None:
             self.metrics.observe_step(st, tokens)
         log.info(

@@ -542,7 +542,8 @@ class Actor:
             return await self._retry_later(delivery, ticket, "admission lease expired during generation")
 
         samples = [
-            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status, components=r.components, **episode)
+            wire.ScoredSample(**smp.model_dump(), reward=r.reward, status=r.status, components=r.components,
+                              logged=r.logged, **episode)
             for smp, r, episode in zip(gen.samples, results, gen.fields if isinstance(gen, EpisodeGeneration)
                                        else [{}] * len(gen.samples), strict=True)
         ]

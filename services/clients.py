@@ -215,6 +215,17 @@ class ControlClient(ServiceClient):
                 return points
             since = page.next
 
+    async def completions(self, run_id: str) -> list[wire.CompletionRow]:
+        """Every row of the run's completions table still kept, oldest first."""
+        rows, since = [], None
+        while True:
+            path = f"/v1/runs/{run_id}/completions" + (f"?since={since}" if since else "")
+            page = wire.CompletionsPage.model_validate((await self.request("GET", path)).json())
+            rows += page.rows
+            if page.next is None or not page.rows:
+                return rows
+            since = page.next
+
     async def stop_run(self, run_id: str) -> wire.RunRecord:
         resp = await self.request("POST", f"/v1/runs/{run_id}/stop")
         return wire.RunRecord.model_validate(resp.json())

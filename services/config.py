@@ -409,6 +409,12 @@ class LoggingConfig(Section):
     mlflow_tracking_uri: str | None = None
     """MLflow tracking URI: one of the control plane's ``TANDEM_CONTROL_MLFLOW_TRACKING_URIS`` (else
     ``POST /v1/runs`` answers 422). Default: an SQLite store under ``dir``, ``<dir>/mlflow.db``."""
+    completions: int = Field(default=4, ge=0, le=256)
+    """Rows of the run's completions table per learner step (TRL's ``log_completions``): trained samples, one of
+    each group in turn, with the step, prompt, completion, reward, advantage and every column python reward
+    functions logged for them with ``log_extra``. In ``GET /v1/runs/{id}/completions``, the dashboard, the
+    trackers (a TensorBoard text table, a W&B Table, MLflow's ``completions.json``) and ``tandem run``'s
+    ``completions.jsonl``; the newest :data:`services.runs.COMPLETIONS_KEPT` rows are kept. 0: none."""
     close_after_s: float = Field(default=300.0, ge=0)
     """A run that ended keeps its trackers open this long after its last metric point (the main
     job's final evaluation comes after the learner finishes), or until another run starts or the

@@ -56,7 +56,7 @@ from broker.keys import ACTIVE_RUN, RUNS, Keys
 from broker.streams import raise_if_cancelled
 from services.config import ConfigError, RunConfig, parse_run_config
 from services.run_states import LIVE_STATES, STATES, TERMINAL_STATES, RunState, entered_from
-from services.wire import MetricPoint, RunRecord
+from services.wire import CompletionRow, MetricPoint, RunRecord
 
 log = logging.getLogger("tandem.runs")
 
@@ -444,3 +444,37 @@ class MetricsLog:
             kind, _, name = k.decode().partition(":")
             out.setdefault(kind, {})[name] = float(v)
         return out
+
+
+COMPLETIONS_KEPT = 10_000
+"""Rows of a run's completions table kept (the newest; about 2,500 steps at ``logging.completions = 4``)."""
+
+
+class CompletionsLog:
+    """One run's completions table (``logging.completions``): a capped Redis stream of
+    :class:`~services.wire.CompletionRow`, each entry one row as JSON, written by the learner after each step."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    async def append(self, rows: list[dict]) -> None:
+        """Add ``rows`` (CompletionRow's fields but ``id``) in one round trip."""
+        if not rows:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for row in rows:
+                pipe.xadd(self.keys.completions, {"row": json.dumps(row)}, maxlen=COMPLETIONS_KEPT, approximate=True)
+            await pipe.execute()
+
+    async def read(self, since: str | None = None, limit: int = 1000) -> list[CompletionRow]:
+        """Rows after stream id ``since`` (exclusive; None = from the oldest kept), oldest first."""
+        if since is not None and not _STREAM_ID.match(since):
+            raise ValueError(f"since must be a stream id like 1700000000000-0, not {since!r}")
+        entries = await self.redis.xrange(self.keys.completions, min=f"({since}" if since else "-", count=limit)
+        return [CompletionRow(id=entry_id.decode(), **json.loads(fields[b"row"])) for entry_id, fields in entries]
+
+    async def newest(self, limit: int) -> list[CompletionRow]:
+        """The newest ``limit`` rows, oldest first (the dashboard's table)."""
+        entries = await self.redis.xrevrange(self.keys.completions, count=limit)
+        return [CompletionRow(id=entry_id.decode(), **json.loads(fields[b"row"])) for entry_id, fields in reversed(entries)]

@@ -465,9 +465,14 @@ class EvalPrompt(Wire):
         return self
 
 
+Logged = dict[Annotated[str, Field(min_length=1, max_length=100)], float | int | bool | str | None]
+"""What python reward functions logged for one completion with ``log_extra``, by column."""
+
+
 class ScoredSample(Sample):
-    """A sample with its reward (never an infrastructure failure: those groups are not sent) and the
-    reward's named ``components``, if a python reward function gave any.
+    """A sample with its reward (never an infrastructure failure: those groups are not sent), the
+    reward's named ``components``, if a python reward function gave any, and what reward functions logged for
+    it with ``log_extra`` (``logged``: TRL's completions-table columns).
 
     An episode's sample (``PromptGroup.episode``) holds every completion token, the model's and the tools'
     observations', in order: ``mask[i]`` is 1 where the model generated ``token_ids[i]`` (trained) and 0 on
@@ -478,6 +483,7 @@ class ScoredSample(Sample):
     reward: float
     status: ScoreStatus
     components: Components = Field(default_factory=dict)
+    logged: Logged = Field(default_factory=dict)
     mask: TokenMask = Field(default_factory=list)
     turns: int = Field(default=1, ge=1)
     turn_versions: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
@@ -579,6 +585,30 @@ class MetricPoint(Wire):
     source: str
     step: int = Field(ge=0)
     values: dict[str, float]
+
+
+class CompletionRow(Wire):
+    """One row of a run's completions table (``services.runs.CompletionsLog``; TRL's ``log_completions``): a sample
+    the learner trained at ``step``, its reward, and the columns python reward functions logged for it with
+    ``log_extra``."""
+
+    id: str = Field(description="The row's stream id (pass the last as the next page's `since`).")
+    step: int = Field(ge=0)
+    version: int = Field(ge=0, description="The policy version that generated it.")
+    group_id: str
+    prompt: str
+    completion: str
+    reward: float
+    advantage: float
+    logged: Logged = Field(default_factory=dict)
+
+
+class CompletionsPage(Wire):
+    """``GET /v1/runs/{id}/completions``: rows after ``since``, oldest first; ``next`` = last id read."""
+
+    run_id: str
+    rows: list[CompletionRow]
+    next: str | None
 
 
 class MetricsPage(Wire):

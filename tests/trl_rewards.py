@@ -13,9 +13,10 @@ overlong = get_soft_overlong_punishment(max_completion_len=14, soft_punish_cache
 """DAPO's soft overlong punishment: reads ``completion_ids``."""
 
 
-async def schedule(prompts, completions, completion_ids, trainer_state, log_metric, **kwargs):
-    """Shaped by training progress, as TRL's documentation suggests, and logging a metric."""
+async def schedule(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+    """Shaped by training progress, as TRL's documentation suggests, logging a metric and a column."""
     await asyncio.sleep(0.01)
     log_metric("schedule/progress", trainer_state.global_step / trainer_state.max_steps)
+    log_extra("tokens", [len(ids) for ids in completion_ids])
     return [len(ids) * (1 + trainer_state.global_step) / trainer_state.max_steps + trainer_state.epoch
             for ids in completion_ids]

@@ -13,8 +13,9 @@ const BOUND_COLOR = "#b3261e";
 const STEP_TICKS = [1, 10, 100, 1000, 10000, 100000].flatMap((e) => [e, 2 * e, 5 * e]); // steps are whole numbers
 // Metrics drawn on a scale of their own, on the right (a cumulative count beside a lag of 0..η).
 const RIGHT_SCALE = { stale_dropped: "stale drops (cumulative)" };
-const BREAKDOWN_EVERY = 5; // polls between two reads of the per-step breakdown
+const SLOW_EVERY = 5; // polls between two reads of the per-step breakdown and of the completions
 const BREAKDOWN_STEPS = 40;
+const COMPLETIONS = 20; // the newest completions listed
 const BAR_HEIGHT = 150;
 const ACTIVITY_COLORS = {
   forward: "#1a56c4", backward: "#7b4fb3", optimizer: "#2a9d8f", step_other: "#6c8ebf", publish: "#e9a23b",
@@ -276,6 +277,30 @@ function renderBreakdown(b) {
   fig.dataset.breakdown = JSON.stringify({ steps: steps.map((s) => s.step), ...totals });
 }
 
+// The newest completions, newest first: step, prompt, completion, reward, advantage, then each column a reward
+// function logged (the union over the rows, sorted; "–" where a row has none). Prompts and completions are model
+// or user text: textContent only.
+function renderCompletions(page) {
+  const rows = [...page.rows].reverse();
+  const logged = [...new Set(rows.flatMap((r) => Object.keys(r.logged)))].sort();
+  const table = document.getElementById("completions");
+  const head = table.querySelector("thead tr");
+  head.replaceChildren(...["step", "prompt", "completion", "reward", "advantage"].map((c) => el("th", {}, c)),
+    ...logged.map((c) => el("th", { class: "logged" }, c)));
+  const body = table.querySelector("tbody");
+  body.replaceChildren();
+  for (const r of rows) {
+    const tr = el("tr", { "data-id": r.id, title: `group ${r.group_id} · version ${r.version}` });
+    const text = (t) => { const td = el("td"); td.append(el("div", { class: "text" }, t)); return td; };
+    tr.append(el("td", {}, fmt(r.step)), text(r.prompt), text(r.completion), el("td", {}, fmt(r.reward)),
+      el("td", {}, fmt(r.advantage)), ...logged.map((c) => el("td", {}, fmt(r.logged[c]))));
+    body.append(tr);
+  }
+  table.hidden = rows.length === 0;
+  document.getElementById("no-completions").hidden = rows.length > 0;
+  table.dataset.rows = String(rows.length); // the headless-browser test reads it
+}
+
 async function refresh() {
   const err = document.getElementById("error");
   try {
@@ -296,8 +321,10 @@ async function refresh() {
       renderIncidents(status);
       document.getElementById("run").hidden = false;
       renderCharts(status);
-      if (polls++ % BREAKDOWN_EVERY === 0) {
-        renderBreakdown(await getJSON(`/v1/runs/${encodeURIComponent(selected)}/breakdown?steps=${BREAKDOWN_STEPS}`));
+      if (polls++ % SLOW_EVERY === 0) {
+        const run = `/v1/runs/${encodeURIComponent(selected)}`;
+        renderBreakdown(await getJSON(`${run}/breakdown?steps=${BREAKDOWN_STEPS}`));
+        renderCompletions(await getJSON(`${run}/completions?newest=true&limit=${COMPLETIONS}`));
       }
     }
     document.getElementById("updated").textContent = `updated ${new Date().toLocaleTimeString()}`;

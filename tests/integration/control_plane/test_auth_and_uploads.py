@@ -72,7 +72,7 @@ async def test_openapi_documents_every_route(control):
     paths = (await control.client.get("/openapi.json", headers=control.auth())).json()["paths"]
     assert set(paths) == {
         "/v1/prompt-sets", "/v1/prompt-sets/{set_id}", "/v1/runs", "/v1/runs/{run_id}",
-        "/v1/runs/{run_id}/metrics", "/v1/runs/{run_id}/stop",
+        "/v1/runs/{run_id}/metrics", "/v1/runs/{run_id}/completions", "/v1/runs/{run_id}/stop",
     }
     assert "application/x-ndjson" in paths["/v1/prompt-sets"]["post"]["requestBody"]["content"]
 

@@ -31,7 +31,7 @@ from broker import Keys
 from control_plane.dashboard import CSP, STATIC
 from services import timeline
 from services.evaluate import EvalLog, EvalResult
-from services.runs import CHARTS, METRICS, MetricsLog, RunStore
+from services.runs import CHARTS, METRICS, CompletionsLog, MetricsLog, RunStore
 from tests.fixtures.control import ARITH_LINES, READ_TOKEN, TOKEN, run_config
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -66,10 +66,28 @@ class Charts(HTMLParser):
         self.side: str | None = None
         self.bars: dict[str, int] = {}
         self.segments: dict[str, dict[str, int]] = {}
+        self.completions: dict | None = None  # data-rows, the header, each row's cells, the elements inside
+        self.in_completions = False
+        self.completions_cell = False
+        self.no_completions_shown: bool | None = None
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
         classes = (a.get("class") or "").split()
+        if tag == "table" and a.get("id") == "completions":
+            self.in_completions = True
+            self.completions = {"rows": int(a["data-rows"]), "header": [], "cells": [], "tags": set()}
+        elif self.in_completions:
+            self.completions["tags"].add(tag)
+            if tag == "th":
+                self.completions["header"].append("")
+            elif tag == "tr" and "data-id" in a:
+                self.completions["cells"].append([])
+            elif tag == "td":
+                self.completions["cells"][-1].append("")
+            self.completions_cell = self.completions_cell or tag in ("th", "td")
+        if a.get("id") == "no-completions":
+            self.no_completions_shown = "hidden" not in a
         if tag == "figure" and "data-chart" in a:
             self.current, self.depth = a["data-chart"], 0
             drawn = json.loads(a["data-drawn"]) if "data-drawn" in a else None
@@ -102,6 +120,10 @@ class Charts(HTMLParser):
             self.segments[self.side][activity] += 1
 
     def handle_endtag(self, tag):
+        if tag == "table":
+            self.in_completions = False
+        if tag in ("th", "td"):
+            self.completions_cell = False
         if tag in ("div", "td"):
             self.cell = None
         if tag == "p":
@@ -116,6 +138,9 @@ class Charts(HTMLParser):
         self.text.append(data)
         if self.in_error:
             self.error.append(data)
+        if self.in_completions and self.completions_cell:
+            target = self.completions["cells"][-1] if self.completions["cells"] else self.completions["header"]
+            target[-1] += data
         if self.cell and self.current and self.charts[self.current]["legend"]:
             self.charts[self.current]["legend"][-1][0 if self.cell == "label" else 1] += data
 
@@ -200,6 +225,7 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
     assert console == [], console
     assert 'data-ready="1"' in dom, dom[-3000:]
     assert run_id in text and "running" in text
+    assert page.completions["rows"] == 0 and page.no_completions_shown and "no completions yet" in text
     # the newest held-out result and the version it measured
     assert f"mean@4 0.800, pass@1 0.800, pass@2 0.875, pass@4 0.950 (version {STEPS})" in text
     assert set(page.charts) == set(CHARTS)
@@ -214,7 +240,7 @@ async def test_dashboard_draws_the_charts_of_a_real_run(serve_control, control_r
             name, _, source = label.partition(" · ")
             assert _shows(value, _latest(points, name, source or None)), (chart_id, label, value)
     drawn = {cid: page.charts[cid]["drawn"] for cid in CHARTS}
-    assert drawn["reward"] == {"reward_mean": STEPS, "accuracy": 2, "pass_at_n": 1}
+    assert drawn["reward"] == {"reward_mean": STEPS, "accuracy": 2, "pass_at_n": 1, "held_out_reward": 2}
     assert drawn["staleness"] == {"lag_max": STEPS, "lag_mean": STEPS, "stale_dropped": STEPS}
     assert drawn["throughput"] == {
         "rollout_tokens_per_s · rollout:r0": STEPS, "rollout_tokens_per_s · rollout:r1": 3, "learner_tokens_per_s": STEPS
@@ -256,6 +282,41 @@ def _timeline_of_steps(n: int) -> list[timeline.Span]:
         ]
         t += 2.0
     return spans
+
+
+ATTACK = "<img src=x onerror=alert(1)>"
+
+
+@pytest.mark.browser
+async def test_dashboard_lists_the_newest_completions_as_text(serve_control, control_redis, tmp_path):
+    """The newest 20 rows, newest first, with the union of the logged columns; a completion that is markup
+    shows as its text and creates no element."""
+    async with serve_control() as url:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as client:
+            set_id = (await client.post("/v1/prompt-sets", content=json.dumps(ARITH_LINES[0]))).json()["id"]
+            r = await client.post("/v1/runs", json={"prompt_set_id": set_id, "config": run_config()})
+            run_id = r.json()["run_id"]
+        rows = [
+            {"step": step, "version": step - 1, "group_id": f"g{step}", "prompt": f"What is {step} + {i}?",
+             "completion": f"{step + i}", "reward": 1.0, "advantage": 0.25 * i,
+             "logged": {"format_ok": True} if i % 2 else {}}
+            for step in range(1, STEPS + 1) for i in range(4)
+        ]
+        rows[-1] |= {"completion": ATTACK, "reward": -0.5, "logged": {"overlong_penalty": -0.5}}
+        await CompletionsLog(control_redis, Keys(run_id)).append(rows)
+        dom, console = await _chromium(f"{url}/?token={READ_TOKEN}&run={run_id}", tmp_path / "chromium")
+
+    page = Charts()
+    page.feed(dom)
+    assert console == [], console
+    table = page.completions
+    assert table["rows"] == len(table["cells"]) == 20, table
+    assert table["header"] == ["step", "prompt", "completion", "reward", "advantage", "format_ok", "overlong_penalty"]
+    newest = table["cells"][0]
+    assert newest == [str(STEPS), f"What is {STEPS} + 3?", ATTACK, "-0.500", "0.750", "–", "-0.500"], newest
+    assert table["cells"][2][5:] == ["true", "–"] and table["cells"][-1][0] == "2", table["cells"]
+    assert "img" not in table["tags"] and "<img" not in dom.split('id="completions"')[1].split("</table>")[0]
+    assert page.no_completions_shown is False
 
 
 class AppendAfterFirstPoll:
@@ -315,7 +376,7 @@ async def test_open_page_picks_up_new_points(serve_control, control_redis, tmp_p
     assert console == [], console
     assert hook.polls >= 2, "the page never polled again"
     reward = page.charts["reward"]
-    assert reward["drawn"] == {"reward_mean": 2 * STEPS, "accuracy": 0, "pass_at_n": 0}
+    assert reward["drawn"] == {"reward_mean": 2 * STEPS, "accuracy": 0, "pass_at_n": 0, "held_out_reward": 0}
     assert reward["canvases"] == 1  # the chart was updated in place, not drawn twice
     assert reward["legend"][1][0] == "reward_mean" and _shows(reward["legend"][1][1], 0.05 * 2 * STEPS)
     assert str(2 * STEPS) in " ".join(page.text)  # the status moved on too

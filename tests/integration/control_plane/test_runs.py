@@ -217,6 +217,29 @@ async def test_each_version_is_recorded_once_and_status_shows_the_newest(control
                                                                                               (10, 200.0, acc)]
 
 
+async def test_the_completions_table_pages_from_the_oldest_and_lists_the_newest(control):
+    """``GET /v1/runs/{id}/completions``: the rows the learner appended (``CompletionsLog``), oldest first in pages
+    that ``since`` continues, or the newest ``limit``; a bad ``since`` is a 422 naming it."""
+    from services.runs import CompletionsLog
+
+    run_id = (await _start(control, await _prompt_set(control))).json()["run_id"]
+    rows = [{"step": s, "version": s - 1, "group_id": f"g{s}-{i}", "prompt": "1+1=", "completion": f"<answer>{i}</answer>",
+             "reward": float(i == 2), "advantage": 0.5, "logged": {"tokens": i} if i else {}}
+            for s in (1, 2, 3) for i in range(4)]
+    for s in (1, 2, 3):
+        await CompletionsLog(control.redis, Keys(run_id)).append([r for r in rows if r["step"] == s])
+    url = f"/v1/runs/{run_id}/completions"
+    first = (await control.client.get(url, params={"limit": 5}, headers=control.auth())).json()
+    rest = (await control.client.get(url, params={"since": first["next"]}, headers=control.auth())).json()
+    got = [{k: v for k, v in r.items() if k != "id"} for r in first["rows"] + rest["rows"]]
+    assert got == rows and len(first["rows"]) == 5
+    newest = (await control.client.get(url, params={"newest": "true", "limit": 3}, headers=control.auth())).json()
+    assert [r["group_id"] for r in newest["rows"]] == ["g3-1", "g3-2", "g3-3"]
+    bad = await control.client.get(url, params={"since": "x"}, headers=control.auth())
+    assert bad.status_code == 422 and bad.json()["detail"].startswith("since: "), bad.text
+    assert (await control.client.get("/v1/runs/nope/completions", headers=control.auth())).status_code == 404
+
+
 async def test_unknown_runs_are_404(control):
     for method, path in [("GET", "/v1/runs/nope"), ("GET", "/v1/runs/nope/metrics"), ("POST", "/v1/runs/nope/stop"),
                          ("GET", "/v1/runs/bad%20id!")]:

@@ -4,7 +4,8 @@ W&B's offline run file (WANDB_MODE offline; the transaction log read record by r
 protobuf types) and MLflow's client on its local store.
 
 The metric points are appended with the writers the learner, the rollout servers and the evaluator
-use (``MetricsLog.append``, ``EvalLog.record``), to the stream the trackers follow.
+use (``MetricsLog.append``, ``EvalLog.record``), to the stream the trackers follow; the completions
+table's rows with the learner's (``CompletionsLog.append``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 
 from broker import Keys
 from services.evaluate import EvalLog, EvalResult
-from services.runs import MetricsLog, RunStore
+from services.runs import CompletionsLog, MetricsLog, RunStore
 from tests.fixtures.control import ARITH_LINES, TOKEN, control_settings, run_config
 
 pytestmark = pytest.mark.slow
@@ -94,6 +95,12 @@ async def learner_step(metrics: MetricsLog, step: int) -> str:
                                 learner_idle_frac=0.25)
 
 
+def completion(step: int, advantage: float, **logged) -> dict:
+    """A row of the completions table as the learner appends it (``learner.trainer.completion_rows``)."""
+    return {"step": step, "version": step - 1, "group_id": f"g{step}", "prompt": f"{step}+2=?",
+            "completion": f"so\n{step + 2}", "reward": 1.0, "advantage": advantage, "logged": logged}
+
+
 # -- readers ----------------------------------------------------------------------------------------
 
 
@@ -108,6 +115,15 @@ def tensorboard_scalars(logdir: Path) -> tuple[dict[str, list[tuple[int, float]]
     hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
                for k, v in content.session_start_info.hparams.items()}
     return scalars, hparams
+
+
+def tensorboard_texts(logdir: Path, tag: str) -> list[tuple[int, str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(str(logdir), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [(e.step, make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)]
 
 
 def wandb_records(run_file: Path):
@@ -147,6 +163,22 @@ def wandb_run(root: Path, run_id: str) -> tuple[list[dict], dict, list[int]]:
     return rows, config, exits
 
 
+def wandb_tables(root: Path, run_id: str, key: str) -> list[tuple[int, dict]]:
+    """``(train/step, table)`` of each table logged under ``key``: the history row holds a reference, one
+    item per field (``[key, "_type"]`` = ``"table-file"``, ``[key, "path"]``, ...), the table itself is a JSON
+    file in the run's ``files/``."""
+    tables = []
+    for run_dir in sorted(root.glob(f"wandb/offline-run-*-{run_id}")):
+        for r in wandb_records(run_dir / f"run-{run_id}.wandb"):
+            if r.WhichOneof("record_type") != "history":
+                continue
+            row = {tuple(i.nested_key) or (i.key,): json.loads(i.value_json) for i in r.history.item}
+            if (key, "path") in row:
+                assert row[key, "_type"] == "table-file", row
+                tables.append((row["train/step",], json.loads((run_dir / "files" / row[key, "path"]).read_text())))
+    return tables
+
+
 def series(rows: list[dict], group: str, name: str) -> list[tuple[int, float]]:
     key = f"{group}/{name}"
     return [(row[f"{group}/step"], row[key]) for row in rows if key in row]
@@ -155,7 +187,7 @@ def series(rows: list[dict], group: str, name: str) -> list[tuple[int, float]]:
 # -- tests ------------------------------------------------------------------------------------------
 
 
-async def test_trackers_log_the_config_and_every_metric_point_across_a_control_plane_restart(
+async def test_trackers_log_the_config_every_metric_point_and_the_completions_table_across_a_restart(
         control_db_url, control_redis, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
@@ -167,10 +199,13 @@ async def test_trackers_log_the_config_and_every_metric_point_across_a_control_p
         assert status == 201, body
         run_id = body["run_id"]
         metrics, evals = MetricsLog(control_redis, Keys(run_id)), EvalLog(control_redis, Keys(run_id))
+        completions = CompletionsLog(control_redis, Keys(run_id))
         await RunStore(control_redis).set_state(run_id, "running")
         await evals.record(0, EvalResult(0.25, 0.25, 8, frozenset({0}), 0), "rollout")
         for step in (1, 2, 3):
             await learner_step(metrics, step)
+        await completions.append([completion(1, 0.5, overlong_penalty=-0.5, note="a|b"), completion(1, -0.5),
+                                  completion(2, 0.0, overlong_penalty=0.0)])
         await metrics.append("rollout:rollout", 2, rollout_tokens_per_s=500.0, rollout_idle_frac=0.1)
         await evals.record(2, EvalResult(0.5, 0.5, 8, frozenset({2}), 0), "rollout")
         last = (await metrics.read())[-1].id
@@ -179,6 +214,7 @@ async def test_trackers_log_the_config_and_every_metric_point_across_a_control_p
     async with ControlPlane(control_db_url, tmp_path) as control:
         for step in (4, 5):
             await learner_step(metrics, step)
+        await completions.append([completion(3, 0.0), completion(5, 1.0, overlong_penalty=-1.0)])
         await evals.record(4, EvalResult(0.75, 0.75, 8, frozenset({4}), 0), "tandem-run")
         await RunStore(control_redis).set_state(run_id, "finished")
         await control.closed(run_id)  # the run ended, close_after_s = 0
@@ -213,6 +249,25 @@ async def test_trackers_log_the_config_and_every_metric_point_across_a_control_p
     assert sorted((m.step, m.value) for m in history) == [(s, pytest.approx(1.0 / s)) for s in (1, 2, 3, 4, 5)]
     assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval/accuracy")) == \
         [(0, 0.25), (2, 0.5), (4, 0.75)]
+
+    # the completions table, each row once across the restart: step, prompt, completion, reward, advantage, then
+    # what reward functions logged (the union over the rows, sorted)
+    columns = ["step", "prompt", "completion", "reward", "advantage", "note", "overlong_penalty"]
+    texts = tensorboard_texts(root / "tensorboard" / run_id, "completions")  # a markdown table per learner step
+    assert [s for s, _ in texts] == [1, 2, 3, 5]
+    assert texts[0][1].splitlines() == ["| " + " | ".join(columns) + " |", "| --- | --- | --- | --- | --- | --- | --- |",
+                                        "| 1 | 1+2=? | so<br>3 | 1 | 0.5 | a\\|b | -0.5 |",
+                                        "| 1 | 1+2=? | so<br>3 | 1 | -0.5 |  |  |"]
+    assert texts[2][1].splitlines()[0] == "| step | prompt | completion | reward | advantage |"
+    tables = wandb_tables(root, run_id, "completions")  # a wandb.Table per learner step, against train/step
+    assert [s for s, _ in tables] == [1, 2, 3, 5]
+    assert tables[0][1]["columns"] == columns
+    assert tables[0][1]["data"] == [[1, "1+2=?", "so\n3", 1.0, 0.5, "a|b", -0.5], [1, "1+2=?", "so\n3", 1.0, -0.5, None, None]]
+    assert tables[3][1]["columns"] == ["step", "prompt", "completion", "reward", "advantage", "overlong_penalty"]
+    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions.json", str(tmp_path))).read_text())
+    assert table["columns"] == columns  # MLflow's log_table: every call's rows appended, orient "split"
+    assert [(r[0], r[4], r[5], r[6]) for r in table["data"]] == [
+        (1, 0.5, "a|b", -0.5), (1, -0.5, None, None), (2, 0.0, None, 0.0), (3, 0.0, None, None), (5, 1.0, None, -1.0)]
 
 
 async def test_a_tracker_that_cannot_start_fails_the_creation_and_no_run_exists(

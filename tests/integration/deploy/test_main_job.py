@@ -143,6 +143,11 @@ def test_tandem_run_writes_summary_and_report_and_survives_learner_kills_in_its_
     assert {e.step for e in events.Scalars("train/loss")} == reported and len(reported) >= STEPS - 1
     assert sorted(e.step for e in events.Scalars("eval/accuracy")) == sorted(evals)
     assert (learner_files / "trackers" / f"{run_dir.name}.closed").read_text().strip() == "finished"
+    # the completions table: logging.completions (4) trained samples of every step reported (a step trained
+    # again after a kill is reported again), each with its prompt, completion, reward and advantage
+    rows = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in rows} == reported and len(rows) >= 4 * len(reported), len(rows)
+    assert all(r["prompt"].endswith("=") and r["completion"] and r["reward"] in (0.0, 1.0) for r in rows), rows[:4]
     # the best kept version (the final one: version 0 is the base model, never on disk) as a Hugging Face folder
     out = tmp_path / "exported"
     exported = subprocess.run([sys.executable, "-m", "deploy.cli", "export", str(run_dir), str(out), "--version",

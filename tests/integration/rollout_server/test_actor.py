@@ -547,11 +547,12 @@ async def test_trls_reward_functions_score_a_runs_groups_as_trl_would(
     """Inside a run: each sample's reward from TRL's own functions (DAPO's overlong punishment, which reads
     ``completion_ids``; an async function that reads ``trainer_state`` and logs a metric) is what TRL's call
     gives on the same completion, its token ids and the learner's step at the group's version; what the
-    function logged reaches the learner's step metrics (``fn_<name>``)."""
+    function logged reaches the learner's step metrics (``fn_<name>``, ``log_metric``) and its completions table
+    (``log_extra``'s columns)."""
     import importlib
     from types import SimpleNamespace
 
-    from learner.trainer import reward_metric_means
+    from learner.trainer import completion_rows, reward_metric_means
     from services.reward_specs import PythonSpec
 
     pytest.importorskip("trl")
@@ -576,14 +577,19 @@ async def test_trls_reward_functions_score_a_runs_groups_as_trl_would(
     for g in got:
         fn = getattr(trl, groups[g.group_id])
         logged: dict[str, list[float]] = {}
+        columns: dict[str, list] = {}
         state = SimpleNamespace(global_step=min(g.policy_version * config.publish.every, config.learner.steps),
                                 max_steps=config.learner.steps, epoch=0.0)
         out = fn(prompts=[g.prompt] * g.n, completions=[s.text for s in g.samples],
                  completion_ids=[s.token_ids for s in g.samples], trainer_state=state,
-                 log_extra=lambda column, values: None,
+                 log_extra=lambda column, values, columns=columns: columns.__setitem__(column, values),
                  log_metric=lambda name, value, logged=logged: logged.setdefault(name, []).append(value))
         expected = await out if asyncio.iscoroutine(out) else out
         assert [s.reward for s in g.samples] == expected, groups[g.group_id]
         assert any(r not in (0.0, -1.0) for r in expected), expected  # computed from the lengths, not a bound
         assert g.reward_metrics == {k: sum(v) / len(v) for k, v in logged.items()}
+        assert [s.logged for s in g.samples] == [{c: v[i] for c, v in columns.items()} for i in range(g.n)]
+        assert all(row["logged"] == g.samples[i].logged
+                   for i, row in enumerate(completion_rows([g], 1, g.n, config.loss.advantage)))
     assert set(reward_metric_means(got)) == {"fn_schedule_progress"}
+    assert any(s.logged for g in got for s in g.samples)  # the schedule's groups carry their "tokens" column
