@@ -5,13 +5,15 @@ threads pinned to one half, the learner's torch threads on the rest. Where the l
 (the 25m sizes of ``bench/e2e.py``), the rollout server spends much of each learner step waiting for
 room (``bench/bubbles.py``: ``idle full``) and its cores idle, while TRL's synchronous step uses them all.
 So while the learner is the slower side (it waited for data less than :data:`BOUND` of its time over the
-last :data:`WINDOW` steps), before each micro-batch and before the optimizer step it looks whether any
+last :data:`WINDOW` steps) and its steps are long (:data:`MIN_STEP_S`), before each micro-batch and before the optimizer step it looks whether any
 group of the run is in flight (admitted and being generated: a ticket with a lease,
 ``broker.Admission``): none, and it runs on its own threads plus ``borrow`` more
 (``torch.set_num_threads``); some, and on its own. One Redis ``ZCOUNT`` a look. A group admitted during a
 micro-batch shares the cores until it ends. Where the rollout side is the slower one (the example: the
 learner waits for data a tenth of its time) the learner never borrows: the cores it would take are the
-ones the run waits on.
+ones the run waits on. Nor does it borrow for short steps: the example's 0.3 s step ran 1.27x faster on
+two threads alone but cost 1.6x the CPU, and borrowing at every look there (its zero-variance groups
+trained, so the learner was the slower side) made the run slower (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ WINDOW = 10
 """Steps over which the learner's data wait is judged."""
 BOUND = 0.02
 """The learner is the slower side while it waited for data less than this share of its time."""
+MIN_STEP_S = 1.0
+"""Steps shorter than this on average over the window never borrow: a second thread pays too little on them."""
 
 
 class BorrowedCores:
@@ -49,9 +53,11 @@ class BorrowedCores:
 
     @property
     def learner_bound(self) -> bool:
-        """Whether the learner waited for data less than :data:`BOUND` of its time over the last steps."""
-        waited = sum(w for w, _ in self._recent)
-        return bool(self._recent) and waited < BOUND * sum(w + b for w, b in self._recent)
+        """Whether the learner waited for data less than :data:`BOUND` of its time over the last steps, and
+        they took :data:`MIN_STEP_S` or longer on average."""
+        waited, busy = sum(w for w, _ in self._recent), sum(b for _, b in self._recent)
+        return (bool(self._recent) and waited < BOUND * (waited + busy)
+                and busy >= MIN_STEP_S * len(self._recent))
 
     def apply(self) -> int:
         """The learner's threads for what comes next: all while the learner is the slower side and no group

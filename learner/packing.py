@@ -15,8 +15,11 @@ attention implementation, :data:`ATTENTION` (registered with transformers'
 ``AttentionInterface``): given the sequence lengths (the ``packed_seq_lens``
 keyword, which transformers passes from the model's forward down to every
 attention call), it runs causal SDPA on each sequence's slice of the row: the
-varlen attention of flash-attention, done as one SDPA call per sequence, so
-compute is the sum of the squared lengths and no mask is built. Without
+varlen attention of flash-attention, done as one SDPA call per run of
+sequences of one length (``learner.batch.pack`` puts the longest first, so
+equal lengths adjoin: a GRPO micro-batch of 128 short completions is a few
+batched calls, not 128), so compute is the sum of the squared lengths and no
+mask is built. Without
 ``packed_seq_lens`` each row is one causal sequence (right padding after it
 is harmless under a causal mask; the learner never left-pads). No attention
 mask function is registered for it, so transformers builds none. A layer with
@@ -29,6 +32,8 @@ layer); the engine falls back to padded micro-batches when it does not.
 """
 
 from __future__ import annotations
+
+from itertools import groupby
 
 import torch
 
@@ -49,16 +54,20 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if sum(lens) != query.shape[2] or (len(lens) > 1 and query.shape[0] != 1):
         raise ValueError(f"packed_seq_lens {lens} do not tile a row of {query.shape[2]} tokens (batch {query.shape[0]})")
     kwargs.pop("is_causal", None)
+    runs = [(n, len(list(same))) for n, same in groupby(lens)]  # the learner packs longest first: equal lengths adjoin
     outs = []
     # split, not one slice per sequence: a slice's backward writes into a zeroed copy of the whole row
-    for q, k, v in zip(*(x.split(lens, dim=2) for x in (query, key, value)), strict=True):
-        n, mask = q.shape[2], None
+    for (n, m), q, k, v in zip(runs, *(x.split([n * m for n, m in runs], dim=2) for x in (query, key, value)),
+                               strict=True):
+        mask = None
         if sliding_window is not None and n > sliding_window:
             i = torch.arange(n, device=query.device)
             mask = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
+        if m > 1:  # m sequences of n tokens: one batched call, [1, heads, m * n, d] as [m, heads, n, d]
+            q, k, v = (x.unflatten(2, (m, n)).squeeze(0).transpose(0, 1) for x in (q, k, v))
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                         is_causal=True, **kwargs)
-        outs.append(out)
+        outs.append(out.reshape(1, m * n, *out.shape[2:]) if m > 1 else out)  # [m, n, heads, d] back to one row
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 

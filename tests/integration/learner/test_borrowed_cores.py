@@ -22,6 +22,11 @@ async def test_the_learner_takes_the_rollout_cores_only_while_it_is_the_slower_s
         for _ in range(9):  # ten steps that waited 0.2 s of 19.0 s in all: 1.1%, below the bound
             cores.step_ended(waited_s=0.0, busy_s=2.0)
         assert cores.learner_bound
+        short = BorrowedCores(redis_url, keys, own=1, borrow=1)
+        for _ in range(10):  # the learner the slower side, but its steps short: a second thread pays too little
+            short.step_ended(waited_s=0.0, busy_s=0.6)
+        assert not short.learner_bound and short.apply() == 1
+        short.close()
         cores.lent_frac()
         assert cores.apply() == 2 and torch.get_num_threads() == 2  # nothing admitted: the rollout side waits
         decision = await admission.try_reserve(0)

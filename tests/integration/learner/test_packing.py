@@ -33,10 +33,11 @@ LOSS = LossConfig(off_policy="tis", beta=0.0, entropy_coef=0.01, policy_loss="gs
 
 
 def rows(vocab: int) -> list[TrainSeq]:
-    """GRPO-like: a shared prompt per group, completions from 1 to 23 tokens."""
+    """GRPO-like: a shared prompt per group, completions from 1 to 23 tokens; the third group's three of one
+    length (adjoining, as the learner packs them) take the batched path of the packed attention."""
     g = torch.Generator().manual_seed(3)
     out = []
-    for gid, (p, lengths) in enumerate([(4, [23, 2, 9, 1]), (7, [5, 14, 3, 11])]):
+    for gid, (p, lengths) in enumerate([(4, [23, 2, 9, 1]), (7, [5, 14, 3, 11]), (5, [8, 8, 8, 2])]):
         prompt = tuple(torch.randint(3, vocab, (p,), generator=g).tolist())
         for c in lengths:
             out.append(TrainSeq(f"g{gid}", prompt, tuple(torch.randint(3, vocab, (c,), generator=g).tolist()),
