@@ -206,24 +206,21 @@ class ControlClient(ServiceClient):
         return [wire.RunRecord.model_validate(r) for r in resp.json()]
 
     async def metrics(self, run_id: str) -> list[wire.MetricPoint]:
-        points, since = [], None
-        while True:
-            path = f"/v1/runs/{run_id}/metrics" + (f"?since={since}" if since else "")
-            page = wire.MetricsPage.model_validate((await self.request("GET", path)).json())
-            points += page.points
-            if page.next is None or not page.points:
-                return points
-            since = page.next
+        """Every point of the run's metrics, oldest first."""
+        return await self._every(f"/v1/runs/{run_id}/metrics", wire.MetricsPage, "points")
 
     async def completions(self, run_id: str) -> list[wire.CompletionRow]:
         """Every row of the run's completions table still kept, oldest first."""
-        rows, since = [], None
+        return await self._every(f"/v1/runs/{run_id}/completions", wire.CompletionsPage, "rows")
+
+    async def _every(self, path: str, page_type: type[wire.Wire], field: str) -> list:
+        """The ``field`` items of every page of ``path``, each page read after the previous one's ``next``."""
+        items, since = [], None
         while True:
-            path = f"/v1/runs/{run_id}/completions" + (f"?since={since}" if since else "")
-            page = wire.CompletionsPage.model_validate((await self.request("GET", path)).json())
-            rows += page.rows
-            if page.next is None or not page.rows:
-                return rows
+            page = page_type.model_validate((await self.request("GET", path + (f"?since={since}" if since else ""))).json())
+            items += getattr(page, field)
+            if page.next is None or not getattr(page, field):
+                return items
             since = page.next
 
     async def stop_run(self, run_id: str) -> wire.RunRecord:

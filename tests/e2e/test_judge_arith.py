@@ -16,16 +16,12 @@ tells it, ``TANDEM_REWARD_MODELS``. Checked:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_tool_arith import _stop_stack
+from tests.e2e.tandem_job import tandem_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "judge_arith"
@@ -79,21 +75,10 @@ def test_tandem_run_with_a_reward_model_as_judge_raises_its_held_out_score(tmp_p
     cfg = load_run_config(config)
     assert (cfg.model.bootstrap, cfg.model.path, cfg.reward.type) == ("judge_arith", model, "reward_model")
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
-    env["TANDEM_REWARD_MODELS"] = json.dumps({"even": str(tmp_path / "models" / JUDGE)})
     runs = tmp_path / "runs"
-    t0 = time.monotonic()
-    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config), "--runs", str(runs)], cwd=ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = job.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        job.communicate()
-        _stop_stack(job.pid, runs)
-        raise
-    print(stdout[-3000:], stderr[-3000:], f"\ntandem run: {time.monotonic() - t0:.0f} s", sep="\n")
-    assert job.returncode == 0, stderr[-4000:]
+    done = tandem_run(config, runs, {"TANDEM_REWARD_MODELS": json.dumps({"even": str(tmp_path / "models" / JUDGE)})},
+                      TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "models" / JUDGE / "config.json").exists()  # the cold start built the judge
 
     (summary_path,) = runs.glob("*/summary.json")

@@ -28,14 +28,11 @@ about 2 minutes of one core).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.tandem_job import tandem_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tool_arith"
@@ -43,26 +40,6 @@ STEPS, WINDOW, MARGIN = 30, 5, 0.2
 """Learner steps of the shortened run; steps averaged at each end; least rise of the reward and of
 the tool-call rate between the two ends (measured: see the module's docstring and the report)."""
 TIMEOUT_S = 900
-
-
-def _stop_stack(pid: int, runs: Path) -> None:
-    """Kill what a killed ``tandem run`` (process ``pid``) left: its services and Redis, tagged in their
-    environment with ``OWNER_VARIABLE=PID-...`` (tests/integration/deploy/test_main_job.py reads the same),
-    and vLLM's engine processes, which carry only ``TANDEM_RUN_DIR`` (a stack directory under ``runs``)."""
-    from host.processes import OWNER_VARIABLE
-
-    variable, mine, run_dir = f"{OWNER_VARIABLE}=".encode(), f"{pid}-".encode(), f"TANDEM_RUN_DIR={runs}/".encode()
-
-    def left_by_it(value: bytes) -> bool:
-        tagged = value.startswith(variable) and any(t.startswith(mine) for t in value[len(variable):].split(b"/"))
-        return tagged or value.startswith(run_dir)
-
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and any(map(left_by_it, (entry / "environ").read_bytes().split(b"\0"))):
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
 
 
 def _scalars(runs: Path) -> dict[str, dict[int, float]]:
@@ -153,21 +130,8 @@ def test_tandem_run_of_the_tool_example_learns_to_call_the_calculator(tmp_path):
     cfg = load_run_config(config)
     assert (cfg.learner.steps, cfg.model.bootstrap, cfg.model.path) == (STEPS, "tool_arith", model)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_") and k != "REDIS_URL"}
     runs = tmp_path / "runs"
-    t0 = time.monotonic()
-    job = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", str(config), "--runs", str(runs)], cwd=ROOT,
-                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = job.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        job.communicate()
-        _stop_stack(job.pid, runs)  # its services have process groups of their own: they outlive it
-        raise
-    done = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
-    wall = time.monotonic() - t0
-    print(done.stdout[-3000:], done.stderr[-3000:], f"\ntandem run: {wall:.0f} s", sep="\n")
+    done = tandem_run(config, runs, {}, TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-4000:]
 
     (summary_path,) = runs.glob("*/summary.json")
