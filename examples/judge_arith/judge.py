@@ -18,6 +18,7 @@ recipe is reused.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -40,8 +41,6 @@ class JudgeRecipe:
     seed: int = 0
 
     def key(self) -> str:
-        import hashlib
-
         return hashlib.sha256(json.dumps(asdict(self) | {"kind": "even_judge"}, sort_keys=True).encode()).hexdigest()[:16]
 
 
