@@ -267,7 +267,11 @@ class ChaosStack:
             await asyncio.sleep(0.5)
 
     async def inject(self, run_id: str, fault: Fault, timeout_s: float = 600) -> Outcome:
-        st = await self.wait(run_id, lambda s: s.run.step >= fault.at_step, timeout_s, f"step {fault.at_step}")
+        # a rollout server is killed with groups in flight on it (what its fault is about): with generation
+        # the faster side, it may be idle at the step, every group of the next one already queued
+        busy = fault.service != "rollout" or fault.action != "kill"
+        st = await self.wait(run_id, lambda s: s.run.step >= fault.at_step and (busy or s.staleness.in_flight > 0),
+                             timeout_s, f"step {fault.at_step}" + ("" if busy else " with groups in flight"))
         reached = st.run.step
         old = self.pid(fault.service)
         if fault.action == "kill":

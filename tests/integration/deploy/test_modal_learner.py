@@ -179,7 +179,9 @@ async def test_a_learner_per_run_spawned_leased_interrupted_resumed_and_ended(
         assert (checkpoints / "tandem-latest").read_text() == "step00000003"  # saved on SIGTERM
         assert (await RunStore(control_redis).get(run_id)).state == "running"
         await producer
-        producer = asyncio.create_task(_produce(control_redis, keys, stop, backlog=2))
+        # exactly the groups steps 4 and 5 train (each has signal: none is dropped): a group queued while the
+        # learner closes the run would be left open in its ledger, which the audit rightly calls lost
+        producer = asyncio.create_task(_produce(control_redis, keys, stop, backlog=2, limit=4))
 
         # the retry resumes from step 3 exactly, trains to step 5, finishes the run and returns
         retry = spy.attempts[0][1]
