@@ -105,6 +105,7 @@ sys.path.insert(0, str(ROOT))
 from bench.plan_cpu import SIZES  # noqa: E402
 from bench.pools import measure_costs, report  # noqa: E402
 from host.cpu import descendants, read_stat  # noqa: E402
+from host.processes import die_with_parent  # noqa: E402
 
 CONFIG = ROOT / "examples/arith/run.toml"
 RESULTS = ROOT / "bench/results/e2e.json"
@@ -318,7 +319,7 @@ def run_child(cmd: list[str], log: Path, env: dict | None = None, sample: bool =
     sampler = TreeSampler() if sample else None
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                cwd=ROOT)
+                                cwd=ROOT, preexec_fn=die_with_parent)  # the bench killed: its run ends too
         if sampler:
             sampler.start()
         code = proc.wait()

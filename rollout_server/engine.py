@@ -65,7 +65,7 @@ from rollout_server.metrics import RolloutMetrics, stat_logger_factory
 from rollout_server.reload import WeightReloads
 from rollout_server.rendering import PromptRendering
 from rollout_server.settings import RolloutSettings
-from rollout_server.vllm_plugin import SPIN_VARIABLE
+from rollout_server.vllm_plugin import CORES_VARIABLE, SPIN_VARIABLE, bound_cores
 from services import watchdog
 from services.config import WatchdogConfig
 from services.weightgroup import broadcast_key
@@ -230,6 +230,8 @@ class RolloutEngine(PromptRendering, WeightReloads):
         )
         if settings.vllm_spin_s is not None:  # read by vLLM's processes, which inherit it (vllm_plugin)
             os.environ[SPIN_VARIABLE] = repr(settings.vllm_spin_s)
+        if _is_cpu() and (cores := bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))):
+            os.environ[CORES_VARIABLE] = ",".join(map(str, cores))  # the engine core on its worker's cores
         t0 = time.monotonic()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])
         try:
