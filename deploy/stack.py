@@ -423,7 +423,8 @@ def cpu_split(service: str, cores: int | None = None) -> dict[str, str]:
 
     vLLM's CPU backend pins its OpenMP threads; left alone, it and the
     learner's torch threads would both spin on every core. The rollout
-    server gets the first half of the cores, the learner the rest, and the
+    server gets the first half of the cores (its worker's threads, and its
+    engine core: ``rollout_server.vllm_plugin``), the learner the rest, and the
     rollout server's too while no group is in flight (it waits for room:
     ``learner.borrowed_cores``); the reward server's sandboxes and the
     control plane are mostly idle. An explicit setting in the environment

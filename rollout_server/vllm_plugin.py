@@ -1,4 +1,4 @@
-"""A vLLM plugin (entry point ``vllm.general_plugins``): how long vLLM's processes spin while they wait.
+"""A vLLM plugin (entry point ``vllm.general_plugins``): how long vLLM's processes spin while they wait, and where they run.
 
 vLLM loads every general plugin in each of its processes: the engine core and each worker (on the
 CPU backend the worker is always a process of its own). The two hand each step's request and its
@@ -21,8 +21,8 @@ cores, ``deploy.stack.cpu_split``), but the engine core floats: while the worker
 engine core's wait ran on the learner's cores. Given ``_TANDEM_VLLM_CORES`` (the rollout server sets
 it from ``VLLM_CPU_OMP_THREADS_BIND``), each process vLLM starts runs on those cores from its start;
 the rollout server's own process, which decodes vLLM's outputs and scores, still floats. The example,
-tandem alone, back to back (docs/performance.md, "The example, 2026-12-05"): 82.7-89.1 s of training
-steps and 7.9-8.7 CPU-ms per trained sample pinned, against 96.0 s and 9.5 unpinned.
+tandem alone, back to back (docs/performance.md, "2026-12-05: vLLM's engine core on its worker's core"): 82.7-89.1 s
+of training steps and 7.9-8.7 CPU-ms per trained sample pinned, against 96.0-104.3 s and 9.5-10.2.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ async def test_the_compiled_engine_samples_what_hugging_face_computes_across_rel
         tiny_model, weight_versions, hf_logprobs, monkeypatch):
     from prometheus_client import CollectorRegistry
 
+    from host.cpu import descendants
     from rollout_server.engine import RolloutEngine
     from rollout_server.metrics import RolloutMetrics
-    from host.cpu import descendants
     from rollout_server.settings import RolloutSettings
     from rollout_server.vllm_plugin import CORES_VARIABLE
     from services.weightstore import digest
