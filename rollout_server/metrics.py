@@ -1,8 +1,9 @@
 """Prometheus metrics of a rollout server, in the app's own registry.
 
 Tokens/s is ``rate(tandem_rollout_generated_tokens_total[1m])``. Running and
-waiting requests come from vLLM's scheduler through a stat logger
-(:func:`stat_logger_factory`), the hook vLLM offers for custom metrics.
+waiting requests and KV-cache use come from vLLM's scheduler through a stat logger
+(:func:`stat_logger_factory`), the hook vLLM offers for custom metrics, where the server's
+``engine_stats`` setting asks for them (off by default: they cost CPU at every step).
 """
 
 from __future__ import annotations

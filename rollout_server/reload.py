@@ -246,7 +246,7 @@ class WeightReloads:
         keep = in_flight == "keep" and not isinstance(transport, AdapterTransport)
         self._swapped.clear()
         try:
-            await self._within(self.llm.pause_generation(mode="keep" if keep else "wait", clear_cache=True), what=what,
+            await self._within(pause(self.llm, "keep" if keep else "wait"), what=what,
                                on="vLLM to freeze the requests in flight (pause, keep mode)" if keep
                                else "requests in flight to finish (vLLM pause, wait mode)", drain=not keep)
         except BaseException:
@@ -291,6 +291,17 @@ class WeightReloads:
             self.metrics.engine_up.set(0)
             log.critical(self._broken)
             raise EngineDead(self._broken) from e2
+
+
+async def pause(llm: Any, mode: Literal["keep", "wait"]) -> None:
+    """vLLM's ``AsyncLLM.pause_generation(mode=mode, clear_cache=True)`` without the
+    ``asyncio.sleep(0.02)`` it ends with, which its own comment calls "not required for correctness"
+    (it lets the last outputs of a drain reach their streams before the caller goes on; a sample's
+    tokens carry their versions whenever its output arrives). At one reload per learner step that
+    sleep was most of each reload's pause (24 ms at the example) and most of the rollout server's
+    idle time there (docs/performance.md, "The reload's pause")."""
+    await llm.renderer.clear_mm_cache_async()
+    await llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
 
 
 async def _to_the_end(work: Coroutine[Any, Any, WeightsStatus], what: str) -> WeightsStatus:

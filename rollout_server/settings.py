@@ -83,6 +83,11 @@ class RolloutSettings(WorkerSettings):
     """How long vLLM's engine core and workers spin on their shared-memory queue after a message before
     they sleep until the next (``rollout_server.vllm_plugin``). vLLM's own is 1 s: between two waves of
     groups the idle engine would keep a core busy that the learner could use. None: vLLM's own."""
+    engine_stats: bool = Field(default=False)
+    """vLLM's scheduler statistics as the ``tandem_rollout_running_requests``,
+    ``tandem_rollout_waiting_requests`` and ``tandem_rollout_kv_cache_usage`` gauges. Off by default:
+    with them vLLM computes statistics at every step, in its engine core and for every request's
+    output in the server (docs/performance.md, "The rollout server's own CPU")."""
     actor_concurrency: int = Field(default=32, ge=1)
     """Prompt groups the actor loop keeps in the engine at once (they batch together).
     Admission capacity bounds it too."""
