@@ -362,8 +362,8 @@ class RolloutEngine(PromptRendering, WeightReloads):
             # in flat lists, not a dict and a Logprob per token
             flat_logprobs=True,
             # vLLM's detokenizer decodes every token as it comes, and each sampled token once more for its
-            # log-prob entry: a third of the rollout server's own CPU at the example. Without stop strings
-            # (which need it) the text is decoded once per sample instead (:meth:`_text`)
+            # log-prob entry: a quarter of the rollout server's own CPU at the example (docs/performance.md).
+            # Without stop strings (which need it) the text is decoded once per sample instead (:meth:`_text`)
             detokenize=bool(s.stop),
             output_kind=RequestOutputKind.FINAL_ONLY,  # no per-step outputs: less work per token
         )

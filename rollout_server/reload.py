@@ -297,9 +297,8 @@ async def pause(llm: Any, mode: Literal["keep", "wait"]) -> None:
     """vLLM's ``AsyncLLM.pause_generation(mode=mode, clear_cache=True)`` without the
     ``asyncio.sleep(0.02)`` it ends with, which its own comment calls "not required for correctness"
     (it lets the last outputs of a drain reach their streams before the caller goes on; a sample's
-    tokens carry their versions whenever its output arrives). At one reload per learner step that
-    sleep was most of each reload's pause (24 ms at the example) and most of the rollout server's
-    idle time there (docs/performance.md, "The reload's pause")."""
+    tokens carry their versions whenever its output arrives). At one reload per learner step that was
+    20 ms of a frozen engine per step (docs/performance.md, "2026-12-07: the rollout server's own CPU")."""
     await llm.renderer.clear_mm_cache_async()
     await llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
 

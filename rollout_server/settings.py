@@ -87,7 +87,7 @@ class RolloutSettings(WorkerSettings):
     """vLLM's scheduler statistics as the ``tandem_rollout_running_requests``,
     ``tandem_rollout_waiting_requests`` and ``tandem_rollout_kv_cache_usage`` gauges. Off by default:
     with them vLLM computes statistics at every step, in its engine core and for every request's
-    output in the server (docs/performance.md, "The rollout server's own CPU")."""
+    output in the server (docs/performance.md, "2026-12-07: the rollout server's own CPU")."""
     actor_concurrency: int = Field(default=32, ge=1)
     """Prompt groups the actor loop keeps in the engine at once (they batch together).
     Admission capacity bounds it too."""
